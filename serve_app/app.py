@@ -1,0 +1,77 @@
+"""build_app(config) -> serve.Application: the router in front of one LLMServer per model.
+
+Import paths for Serve:
+* ``serve_app.app:app_builder`` takes ``config`` (a YAML path) as its argument, for
+  ``serve run serve_app.app:app_builder config=deployments/local-cpu.yaml`` and Serve config files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from serve_app.config import DEFAULT_CONFIG, AppConfig, ModelSettings, load_config
+from serve_app.engine.placement import replica_placement
+from serve_app.engine.server import DEFAULT_ENGINE_CLASS, LLMServer
+from serve_app.ingress.router import OpenAIRouter
+
+APP_NAME = "llm"
+# A long stream must be able to finish while its replica drains (Serve's default is 20 s).
+GRACEFUL_SHUTDOWN_S = 600
+HEALTH_CHECK_PERIOD_S = 5
+HEALTH_CHECK_TIMEOUT_S = 30
+
+
+def llm_server_name(model: str) -> str:
+    """Serve deployment name of ``model``'s LLMServer."""
+    return "LLMServer-" + re.sub(r"[^A-Za-z0-9_-]", "_", model)
+
+
+def llm_server_options(m: ModelSettings) -> dict[str, Any]:
+    """Serve deployment options of one model's LLMServer (pure; unit-tested)."""
+    a = m.autoscaling
+    options: dict[str, Any] = {
+        "name": llm_server_name(m.name),
+        "max_ongoing_requests": m.max_ongoing_requests,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+        **replica_placement(m).deployment_options(),
+    }
+    if a.min_replicas == a.max_replicas:
+        options["num_replicas"] = a.min_replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "initial_replicas": a.initial_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+        }
+    if m.engine_env:
+        options["ray_actor_options"]["runtime_env"] = {"env_vars": dict(m.engine_env)}
+    return options
+
+
+def build_app(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS) -> Application:
+    """The Serve application for ``config``; ``engine_class`` injects the engine (tests)."""
+    servers = {
+        m.name: serve.deployment(LLMServer)
+        .options(**llm_server_options(m))
+        .bind(m.model_dump(mode="json"), engine_class)
+        for m in config.models
+    }
+    router = OpenAIRouter.options(
+        num_replicas=config.router.num_replicas,
+        max_ongoing_requests=config.router.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return router.bind(config.model_dump(mode="json"), servers)
+
+
+def app_builder(args: dict[str, str]) -> Application:
+    """Serve's application builder: ``args["config"]`` is a deployment YAML path."""
+    return build_app(load_config(Path(args.get("config") or DEFAULT_CONFIG)))

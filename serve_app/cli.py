@@ -1,0 +1,123 @@
+"""One command line: ``serve-app run | make-model | vllm``.
+
+``run`` starts a local Ray instance (or joins ``--address``), deploys the app from a deployment
+YAML and serves until Ctrl-C, then shuts Serve and Ray down cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from serve_app.config import DEFAULT_CONFIG, AppConfig, ConfigError, load_config
+from serve_app.models import MODEL_KINDS, write_model
+
+
+def _examples(base_url: str, model: str) -> str:
+    return f"""
+Serving {model} at {base_url}
+
+  curl {base_url}/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base_url}', api_key='none'); \\
+print(c.completions.create(model='{model}', prompt='Hello', max_tokens=32).choices[0].text)"
+
+Press Ctrl-C to stop.
+"""
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    out = Path(args.out or f"models/{'tiny-llama' if args.kind == 'tiny' else args.kind}")
+    write_model(args.kind, out, seed=args.seed)
+    print(f"wrote {args.kind} model to {out}")
+    return 0
+
+
+def _check_local_paths(cfg: AppConfig) -> int:
+    for m in cfg.models:
+        p = Path(m.path)
+        if p.is_absolute() and not p.exists():
+            print(f"model {m.name}: {p} does not exist; write it with "
+                  f"`serve-app make-model <kind> --out {p}` or point `path` elsewhere",
+                  file=sys.stderr)
+            return 2
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from serve_app.app import APP_NAME, build_app
+
+    cfg_path = Path(args.config)
+    try:
+        cfg = load_config(cfg_path)
+        if (rc := _check_local_paths(cfg)) != 0:
+            return rc
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    if args.port:
+        cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": args.port})})
+    # The dashboard executes code for whoever reaches it: keep it on localhost.
+    ray.init(address=args.address, dashboard_host="127.0.0.1",
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}} if not args.address else None)
+    stop = {"now": False}
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        serve.start(http_options={"host": cfg.router.host, "port": cfg.router.port})
+        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::") else cfg.router.host
+        print(_examples(f"http://{host}:{cfg.router.port}/v1", cfg.models[0].name), flush=True)
+        while not stop["now"]:
+            time.sleep(0.5)
+    finally:
+        print("shutting down ...", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def cmd_vllm(args: argparse.Namespace) -> int:
+    from serve_app.engine.vllm_adapter import run_vllm_cli
+
+    return run_vllm_cli(args.vllm_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="serve-app", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="serve a deployment config on a local or existing Ray cluster")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="deployment YAML")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: start local)")
+    p.add_argument("--port", type=int, default=None, help="override router.port")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("make-model", help="write a tiny model or a config-only full-size shape")
+    p.add_argument("kind", choices=MODEL_KINDS)
+    p.add_argument("--out", default=None, help="folder (default: models/<name>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("vllm", help="vLLM's own CLI (serve, bench serve) on either vLLM build")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_vllm)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

