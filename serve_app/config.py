@@ -59,8 +59,9 @@ class ModelSettings(_Strict):
 
     name: str = Field(description="Name clients put in the `model` field; unique in the app.")
     path: str = Field(
-        description="Anything vLLM can load: a local folder or a hub id. Relative paths are "
-        "resolved against the config file's folder."
+        description="Anything vLLM can load: a hub id (`org/name`) or a local folder. Write "
+        "relative folders with a leading `./`; they resolve against the repository root for "
+        "files under deployments/, else against the config file's folder."
     )
     device: Literal["cpu", "gpu"] = Field("gpu", description="Where the engine runs.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU ranks) per stage.")

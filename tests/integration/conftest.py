@@ -1,0 +1,75 @@
+"""One real stack for the integration suite: local Ray, Serve, the router and a vLLM CPU engine
+serving the tiny model. Started once per session (about a minute) and shared by every test."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "models" / "tiny-llama"
+MODEL = "tiny-llama"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    from serve_app.models import write_model
+
+    return write_model("tiny", TINY)
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model_path):
+    """Base URL (``http://host:port``) of the running app, plus handles for white-box checks."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import APP_NAME, build_app, llm_server_name
+    from serve_app.config import load_config
+
+    cfg = load_config(REPO / "deployments" / "local-cpu.yaml")
+    port = _free_port()
+    cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port})})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("the app did not become ready in 300 s")
+    server = serve.get_deployment_handle(llm_server_name(MODEL), app_name=APP_NAME)
+    yield {"base": base, "server": server, "model": MODEL, "path": tiny_model_path}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture
+def client(stack):
+    with httpx.Client(base_url=stack["base"], timeout=120) as c:
+        yield c
+
+
+def engine_load(stack) -> dict[str, int]:
+    return stack["server"].engine_load.remote().result(timeout_s=30)
+
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

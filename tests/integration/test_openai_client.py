@@ -1,0 +1,64 @@
+"""The official openai client works unchanged: chat and text, streamed and not, models list."""
+
+import pytest
+from openai import OpenAI
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def oai(stack):
+    return OpenAI(base_url=stack["base"] + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_list(oai, stack):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [stack["model"]]
+    assert oai.models.retrieve(stack["model"]).id == stack["model"]
+
+
+def test_text_completion(oai, stack):
+    r = oai.completions.create(model=stack["model"], prompt="Hello", max_tokens=8,
+                               extra_body={"ignore_eos": True})
+    assert r.object == "text_completion"
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    assert isinstance(r.choices[0].text, str) and r.choices[0].text
+
+
+def test_text_completion_streamed(oai, stack):
+    chunks = list(oai.completions.create(model=stack["model"], prompt="Hello", max_tokens=10,
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def test_chat_completion(oai, stack):
+    r = oai.chat.completions.create(model=stack["model"], max_tokens=8,
+                                    messages=[{"role": "user", "content": "Hi"}])
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens > 0
+
+
+def test_chat_completion_streamed(oai, stack):
+    stream = oai.chat.completions.create(
+        model=stack["model"], max_tokens=12, stream=True, n=2,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        messages=[{"role": "system", "content": "terse"}, {"role": "user", "content": "Hi"}])
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    roles = [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role]
+    assert roles == ["assistant", "assistant"]  # once per choice
+    assert chunks[-1].usage.completion_tokens == 24
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+
+
+def test_unknown_model_raises_not_found(oai):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"

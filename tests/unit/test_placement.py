@@ -1,0 +1,42 @@
+"""Placement bundles of one replica for every device and parallelism."""
+
+from serve_app.config import ModelSettings
+from serve_app.engine.placement import replica_placement
+
+
+def _settings(**kw) -> ModelSettings:
+    return ModelSettings(name="m", path="/m", **kw)
+
+
+def test_tp4_pp2_is_eight_one_gpu_bundles_packed():
+    p = replica_placement(_settings(tensor_parallel_size=4, pipeline_parallel_size=2))
+    assert len(p.bundles) == 8
+    assert all(b["GPU"] == 1 for b in p.bundles)
+    assert p.strategy == "PACK"
+    # The replica actor sits in bundle 0 but leaves every GPU to the engine's Ray workers.
+    assert p.actor_num_gpus == 0 and p.bundles[0]["CPU"] == p.actor_num_cpus
+    assert sum(b.get("CPU", 0) for b in p.bundles[1:]) == 0
+
+
+def test_single_gpu_engine_runs_in_the_replica():
+    p = replica_placement(_settings(cpus_per_replica=2))
+    assert p.bundles == [{"CPU": 2.0, "GPU": 1.0}]
+    assert (p.actor_num_cpus, p.actor_num_gpus) == (2.0, 1.0)
+
+
+def test_strict_pack_keeps_replica_on_one_node():
+    p = replica_placement(_settings(tensor_parallel_size=2, placement_strategy="STRICT_PACK"))
+    assert p.strategy == "STRICT_PACK" and len(p.bundles) == 2
+
+
+def test_cpu_engine_one_bundle_of_cpus():
+    p = replica_placement(_settings(device="cpu", tensor_parallel_size=2, cpus_per_replica=2))
+    assert p.bundles == [{"CPU": 2.0}]
+    assert p.actor_num_gpus == 0
+
+
+def test_deployment_options_shape():
+    opts = replica_placement(_settings(tensor_parallel_size=2)).deployment_options()
+    assert opts["placement_group_strategy"] == "PACK"
+    assert opts["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert len(opts["placement_group_bundles"]) == 2
