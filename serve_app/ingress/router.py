@@ -64,11 +64,15 @@ def parse_request(model_cls: type[RequestT], data: Any) -> RequestT:
     try:
         return model_cls.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        errors = err.errors()
+        first = errors[0]
+        # `param` is the top-level field, as OpenAI reports it; nested locations stay in the text.
+        param = str(first["loc"][0]) if first["loc"] else None
         msg = first["msg"].removeprefix("Value error, ")
         if first["type"] == "missing":
             msg = "this field is required"
+        elif len([e for e in errors if e["loc"][:1] == first["loc"][:1]]) > 1:
+            msg = "has the wrong type or shape; see the OpenAI API reference for this field"
         raise OpenAIError(400, f"{param}: {msg}" if param else msg, param=param) from None
 
 

@@ -1,6 +1,6 @@
 """The engine's own greedy output, with no Ray and no HTTP in between (run as a subprocess).
 
-usage: python reference_generate.py MODEL_PATH < requests.json > outputs.json
+usage: python reference_generate.py MODEL_PATH OUT_JSON < requests.json
 Each request is {"prompt": str} or {"messages": [...]}, with "max_tokens".
 """
 
@@ -22,7 +22,8 @@ def main() -> None:
             out = llm.generate([r["prompt"]], params, use_tqdm=False)[0]
         results.append({"text": out.outputs[0].text, "prompt_tokens": len(out.prompt_token_ids),
                         "completion_tokens": len(out.outputs[0].token_ids)})
-    json.dump(results, sys.stdout)
+    with open(sys.argv[2], "w") as f:  # stdout carries vLLM's logs
+        json.dump(results, f)
 
 
 if __name__ == "__main__":

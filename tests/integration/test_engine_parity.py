@@ -21,14 +21,15 @@ REQUESTS = [
 
 
 @pytest.fixture(scope="module")
-def reference(stack):
+def reference(stack, tmp_path_factory):
     script = Path(__file__).with_name("reference_generate.py")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(stack["path"])],
+    out = tmp_path_factory.mktemp("reference") / "outputs.json"
+    proc = subprocess.run([sys.executable, str(script), str(stack["path"]), str(out)],
                           input=json.dumps(REQUESTS), capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(out.read_text())
 
 
 def _ask(client, model, req, stream):
