@@ -1,4 +1,4 @@
-"""One command line: ``serve-app run | make-model | vllm``.
+"""One command line: ``serve-app run | make-model | dashboards | vllm``.
 
 ``run`` starts a local Ray instance (or joins ``--address``), deploys the app from a deployment
 YAML and serves until Ctrl-C, then shuts Serve and Ray down cleanly.
@@ -89,6 +89,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboards(args: argparse.Namespace) -> int:
+    from serve_app.observability.dashboards import write_dashboards
+
+    for path in write_dashboards(Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_vllm(args: argparse.Namespace) -> int:
     from serve_app.engine.vllm_adapter import run_vllm_cli
 
@@ -110,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder (default: models/<name>)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) to a folder")
+    p.add_argument("--out", default="dashboards")
+    p.set_defaults(func=cmd_dashboards)
 
     p = sub.add_parser("vllm", help="vLLM's own CLI (serve, bench serve) on either vLLM build")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER)

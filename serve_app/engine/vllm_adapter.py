@@ -59,8 +59,8 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**engine_args_for(self.settings))
-        counts = self._stats
-        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(counts)])
+        loggers = [_stat_logger_factory(self._stats), *_ray_metrics_loggers()]
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         tokenizer = self._engine.get_tokenizer()
         self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
         self._max_model_len = int(self._engine.model_config.max_model_len)
@@ -204,6 +204,21 @@ def _stat_logger_factory(counts: _SchedulerCounts) -> Any:
             pass
 
     return _CountsLogger
+
+
+def _ray_metrics_loggers() -> list[Any]:
+    """vLLM's own engine metrics, exported through Ray's metrics agent when inside Ray.
+
+    They appear on the node's metrics endpoint as ``ray_vllm_*`` (``:`` becomes ``_``)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return []
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+    except ImportError:
+        return []
+    return [RayPrometheusStatLogger]
 
 
 def run_vllm_cli(argv: list[str]) -> int:

@@ -1,0 +1,104 @@
+"""Grafana dashboards built from the metric table; ``serve-app dashboards`` writes them to
+``dashboards/``. The committed JSON is checked against this builder by a unit test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from serve_app.observability.metrics import metric
+
+DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "dashboards"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def _panel(pid: int, title: str, exprs: list[tuple[str, str]], unit: str, x: int, y: int,
+           description: str) -> dict[str, Any]:
+    return {
+        "id": pid,
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
+            {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
+             "datasource": DATASOURCE}
+            for i, (expr, legend) in enumerate(exprs)
+        ],
+    }
+
+
+def _quantiles(name: str, by: str = "") -> list[tuple[str, str]]:
+    group = f"le{', ' + by if by else ''}"
+    return [(f"histogram_quantile({q}, sum by ({group}) (rate({metric(name)}_bucket[$__rate_interval])))",
+             f"p{int(q * 100)}" + (f" {{{{{by}}}}}" if by else ""))
+            for q in (0.5, 0.9, 0.99)]
+
+
+def serving_dashboard() -> dict[str, Any]:
+    """The serving path: requests, errors, TTFT, tokens/s, engine running/waiting."""
+    rate = "[$__rate_interval]"
+    panels = [
+        _panel(1, "Requests per second by route",
+               [(f"sum by (route) (rate({metric('ray_serve_num_http_requests_total')}{rate}))",
+                 "{{route}}")], "reqps", 0, 0,
+               "Requests handled by the Serve HTTP proxy."),
+        _panel(2, "Errors per second by status code",
+               [(f"sum by (error_code) (rate({metric('ray_serve_num_http_error_requests_total')}"
+                 f"{rate}))", "{{error_code}}")], "reqps", 12, 0,
+               "4xx are client mistakes (bad input, unknown model); 5xx are ours."),
+        _panel(3, "Time to first token", _quantiles("ray_vllm_time_to_first_token_seconds"),
+               "s", 0, 8, "Engine-side TTFT quantiles over all replicas."),
+        _panel(4, "Tokens per second",
+               [(f"sum(rate({metric('ray_vllm_generation_tokens_total')}{rate}))", "output"),
+                (f"sum(rate({metric('ray_vllm_prompt_tokens_total')}{rate}))", "prompt")],
+               "short", 12, 8, "Output and prompt tokens processed by all engines."),
+        _panel(5, "Engine requests running / waiting",
+               [(f"sum by (model_name) ({metric('ray_vllm_num_requests_running')})",
+                 "running {{model_name}}"),
+                (f"sum by (model_name) ({metric('ray_vllm_num_requests_waiting')})",
+                 "waiting {{model_name}}")], "short", 0, 16,
+               "Waiting above zero means the engines are saturated."),
+        _panel(6, "Inter-token latency", _quantiles("ray_vllm_inter_token_latency_seconds"),
+               "s", 12, 16, "Gap between consecutive tokens (TPOT)."),
+        _panel(7, "KV cache usage",
+               [(f"max by (model_name) ({metric('ray_vllm_kv_cache_usage_perc')})",
+                 "{{model_name}}")], "percentunit", 0, 24,
+               "Fraction of KV-cache blocks in use; near 1 means preemptions."),
+        _panel(8, "HTTP latency (proxy)", _quantiles("ray_serve_http_request_latency_ms"),
+               "ms", 12, 24, "End-to-end latency of whole HTTP requests at the proxy."),
+    ]
+    return {
+        "uid": "serve-app-serving",
+        "title": "serve-app: serving path",
+        "tags": ["serve-app", "vllm", "ray-serve"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "templating": {"list": [{"name": "datasource", "type": "datasource",
+                                 "query": "prometheus", "label": "Prometheus"}]},
+        "panels": panels,
+    }
+
+
+DASHBOARDS = {"serving.json": serving_dashboard}
+
+
+def render(name: str) -> str:
+    """The committed text of dashboard ``name``."""
+    return json.dumps(DASHBOARDS[name](), indent=2, sort_keys=True) + "\n"
+
+
+def write_dashboards(folder: Path = DASHBOARD_DIR) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in DASHBOARDS:
+        (folder / name).write_text(render(name))
+        paths.append(folder / name)
+    return paths

@@ -1,0 +1,54 @@
+"""Every metric name the project reads or draws, in one table (data, not code).
+
+Names are as Prometheus sees them when it scrapes Ray's metrics agents: Ray Serve's own metrics
+and vLLM's engine metrics, which vLLM exports through Ray (``vllm:x`` becomes ``ray_vllm_x``).
+Dashboards, tests and policies look names up here instead of spelling them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: Literal["counter", "gauge", "histogram"]
+    source: Literal["serve", "vllm"]
+    help: str
+
+
+METRICS: dict[str, Metric] = {
+    m.name: m
+    for m in [
+        Metric("ray_serve_num_http_requests_total", "counter", "serve",
+               "HTTP requests handled by the Serve proxy, by route and status code."),
+        Metric("ray_serve_num_http_error_requests_total", "counter", "serve",
+               "HTTP requests answered with an error status, by route and code."),
+        Metric("ray_serve_http_request_latency_ms", "histogram", "serve",
+               "End-to-end HTTP latency seen by the proxy."),
+        Metric("ray_serve_replica_processing_queries", "gauge", "serve",
+               "Requests a replica is processing right now."),
+        Metric("ray_vllm_time_to_first_token_seconds", "histogram", "vllm",
+               "Time to first token inside the engine."),
+        Metric("ray_vllm_inter_token_latency_seconds", "histogram", "vllm",
+               "Gap between consecutive output tokens."),
+        Metric("ray_vllm_e2e_request_latency_seconds", "histogram", "vllm",
+               "Engine-side end-to-end request latency."),
+        Metric("ray_vllm_generation_tokens_total", "counter", "vllm", "Output tokens produced."),
+        Metric("ray_vllm_prompt_tokens_total", "counter", "vllm", "Prompt tokens processed."),
+        Metric("ray_vllm_num_requests_running", "gauge", "vllm",
+               "Requests in the engine's running batch."),
+        Metric("ray_vllm_num_requests_waiting", "gauge", "vllm",
+               "Requests queued inside the engine."),
+        Metric("ray_vllm_kv_cache_usage_perc", "gauge", "vllm", "KV-cache blocks in use (0..1)."),
+    ]
+}
+
+
+def metric(name: str) -> str:
+    """``name`` checked against the table (a typo fails at import, not on a blank panel)."""
+    if name not in METRICS:
+        raise KeyError(f"{name} is not in serve_app.observability.metrics.METRICS")
+    return name
