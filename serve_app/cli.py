@@ -1,4 +1,4 @@
-"""One command line: ``serve-app run | make-model | dashboards | vllm``.
+"""One command line: ``serve-app run | make-model | bench | dashboards | vllm``.
 
 ``run`` starts a local Ray instance (or joins ``--address``), deploys the app from a deployment
 YAML and serves until Ctrl-C, then shuts Serve and Ray down cleanly.
@@ -7,7 +7,6 @@ YAML and serves until Ctrl-C, then shuts Serve and Ray down cleanly.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -66,8 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.port:
         cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": args.port})})
     # The dashboard executes code for whoever reaches it: keep it on localhost.
-    ray.init(address=args.address, dashboard_host="127.0.0.1",
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}} if not args.address else None)
+    ray.init(address=args.address, dashboard_host="127.0.0.1")
     stop = {"now": False}
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -87,6 +85,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from serve_app.bench.runner import main as bench_main
+
+    return bench_main(args)
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
@@ -118,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder (default: models/<name>)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("bench", help="benchmark an OpenAI endpoint (throughput, TTFT, TPOT, ITL)")
+    from serve_app.bench.runner import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) to a folder")
     p.add_argument("--out", default="dashboards")

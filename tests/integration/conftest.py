@@ -41,8 +41,7 @@ def stack(tiny_model_path):
     cfg = load_config(REPO / "deployments" / "local-cpu.yaml")
     port = _free_port()
     cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port})})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"

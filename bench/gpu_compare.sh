@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Stack vs bare vLLM on one GPU, in one command: both arms get the engine arguments of one
+# deployment config, are started one after the other on the same GPU, warmed up, and driven by
+# the same `serve-app bench` load. Results land in $OUT (or bench/out).
+#
+# usage: bench/gpu_compare.sh IN_LEN OUT_LEN NUM_REQUESTS [CONCURRENCY] [CONFIG] [EXTRA_BENCH_ARGS...]
+#   e.g. bench/gpu_compare.sh 1024 128 32,256,512 1,64,256
+set -uo pipefail
+IN=$1; OUTLEN=$2; NUM=$3; CONC=${4:-1,64,256}; CONFIG=${5:-deployments/gpu-1.yaml}
+shift $(( $# < 5 ? $# : 5 ))
+EXTRA=("$@")
+PY=${PYTHON:-python3}
+NAME=cmp-${IN}-${OUTLEN}
+DIR=$(mktemp -d)/$NAME   # everything; $OUT gets the comparison and one archive of the rest
+mkdir -p "$DIR"
+DEST=${OUT:-bench/out}
+mkdir -p "$DEST"
+MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
+MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].path)")
+# The config's model folder; written as a config-only shape (SHAPE) when missing.
+[ -e "$MPATH" ] || $PY -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
+
+wait_ready() {  # url pid timeout
+  local t=0
+  until curl -sf "$1/v1/models" >/dev/null; do
+    sleep 2; t=$((t + 2))
+    if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
+  done
+  echo "ready after ${t}s"
+}
+
+stop() {  # pid: the server runs in its own session; stop the whole group, then make sure
+  kill -TERM -- -"$1" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || return 0; sleep 1; done
+  kill -KILL -- -"$1" 2>/dev/null; sleep 2
+}
+
+bench() {  # url arm
+  $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" --input-len "$IN" \
+    --output-len "$OUTLEN" --num-requests "$NUM" --concurrency "$CONC" --token-range "${TOKEN_RANGE:-1000-20000}" \
+    --quiet --label "$2 ${IN}/${OUTLEN}" --out "$DIR/$2" "${EXTRA[@]}" > "$DIR/$2.log" 2>&1
+  grep -A6 "^## Runs" "$DIR/$2/summary.md" || tail -n 20 "$DIR/$2.log"
+}
+
+BARE_CMD=$($PY -m serve_app.bench.arms "$CONFIG")
+echo "== bare vLLM: $BARE_CMD --port 8100"
+T0=$(date +%s)
+setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
+BARE=$!
+wait_ready http://127.0.0.1:8100 $BARE 420 && bench http://127.0.0.1:8100 bare
+stop $BARE
+echo "bare arm took $(( $(date +%s) - T0 ))s"
+
+echo "== stack: serve-app run --config $CONFIG"
+T0=$(date +%s)
+setsid $PY -m serve_app.cli run --config "$CONFIG" --port 8000 > "$DIR/stack-server.log" 2>&1 &
+STACK=$!
+wait_ready http://127.0.0.1:8000 $STACK 420 && bench http://127.0.0.1:8000 stack
+stop $STACK
+echo "stack arm took $(( $(date +%s) - T0 ))s"
+
+$PY bench/compare_arms.py "$DIR/bare/results.json" "$DIR/stack/results.json" \
+  --md "$DIR/compare.md" --title "$MODEL, ${IN} in / ${OUTLEN} out"
+cp "$DIR/compare.md" "$DEST/$NAME.md"
+tar czf "$DEST/$NAME.tgz" -C "$(dirname "$DIR")" "$NAME"

@@ -1,0 +1,136 @@
+"""``serve-app bench``: drive an OpenAI endpoint and write JSON, Markdown and PNG results.
+
+Each concurrency of the sweep is one run: a warm-up that is not counted, then the measured
+requests. ``--static-vs-continuous B`` adds the batching comparison at batch size B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from serve_app.bench import report
+from serve_app.bench.client import Progress, Target, run_concurrency, run_static
+from serve_app.bench.stats import SLO, service_over_time, summarize, summarize_by_tenant
+from serve_app.bench.workload import parse_length, parse_tenants, plan
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server, without /v1")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--input-len", default="128", help="prompt tokens: N or LO-HI")
+    p.add_argument("--output-len", default="128", help="output tokens: N or LO-HI (ignore_eos)")
+    p.add_argument("--token-range", default="10-250",
+                   help="prompt token ids are drawn uniformly from LO-HI (inclusive)")
+    p.add_argument("--num-requests", default="200",
+                   help="measured requests per run: one number, or one per concurrency (a,b,c)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="stop starting requests after this many seconds of a run")
+    p.add_argument("--concurrency", default="1,8,32",
+                   help="comma-separated concurrency caps; one run each")
+    p.add_argument("--rate", type=float, default=None,
+                   help="request rate (req/s) with gamma gaps; the cap still applies")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="uncounted requests before each run (default: the concurrency, min 2)")
+    p.add_argument("--tenant", action="append", default=[],
+                   help="name:api_key:share, repeatable (multi-tenant mix)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-e2el-ms", type=float, default=None)
+    p.add_argument("--static-vs-continuous", type=int, default=None, metavar="B",
+                   help="also compare static batches of B with B in flight continuously")
+    p.add_argument("--batching-output-len", default="16-256",
+                   help="output lengths of the batching comparison (mixed)")
+    p.add_argument("--service-bin-s", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", default="serve-app bench")
+    p.add_argument("--out", default="bench/out", help="folder for results.json, summary.md, PNGs")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    target = Target(args.base_url.rstrip("/"), args.model, args.endpoint)
+    tenants = parse_tenants(args.tenant)
+    in_len, out_len = parse_length(args.input_len), parse_length(args.output_len)
+    lo, hi = parse_length(args.token_range)
+    vocab = (lo, hi + 1)
+    slo = None
+    if args.slo_ttft_ms or args.slo_tpot_ms or args.slo_e2el_ms:
+        slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
+    progress_on = None if not args.quiet else False
+    runs: list[dict[str, Any]] = []
+    service: dict[str, Any] = {}
+    caps = [int(c) for c in args.concurrency.split(",")]
+    counts = [int(x) for x in str(args.num_requests).split(",")]
+    if len(counts) not in (1, len(caps)):
+        raise SystemExit("--num-requests: give one number or one per concurrency")
+    counts = counts * len(caps) if len(counts) == 1 else counts
+    for i, conc in enumerate(caps):
+        n = counts[i] if args.duration is None else 1_000_000
+        warm = args.warmup if args.warmup is not None else max(conc, 2)
+        if warm:
+            await run_concurrency(target, plan(warm, in_len, out_len, tenants, vocab,
+                                               seed=args.seed + 1000 + i), conc)
+        reqs = plan(n, in_len, out_len, tenants, vocab, seed=args.seed + i, rate=args.rate,
+                    burstiness=args.burstiness)
+        label = f"c={conc}" + (f" rate={args.rate}" if args.rate else "")
+        records, wall = await run_concurrency(
+            target, reqs, conc, Progress(len(reqs), label, progress_on), args.duration)
+        t0 = min(r.start for r in records)
+        runs.append({
+            "name": label, "concurrency": conc, "rate": args.rate,
+            "summary": summarize(records, wall, slo),
+            "tenants": summarize_by_tenant(records, wall, slo),
+            "records": [r.to_dict() for r in records],
+        })
+        service = {"run": label, "bin_s": args.service_bin_s,
+                   "series": service_over_time(records, t0, args.service_bin_s)}
+    result: dict[str, Any] = {
+        "label": args.label,
+        "command": "serve-app bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "target": f"{target.base_url}{target.endpoint} model={target.model}",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "workload": f"input {args.input_len} tokens, output {args.output_len} tokens "
+                    f"(ignore_eos), {args.num_requests} requests per run, tenants "
+                    f"{[t.name for t in tenants]}",
+        "runs": runs,
+        "service_over_time": service,
+    }
+    if args.static_vs_continuous:
+        result["static_vs_continuous"] = await _batching(args, target, tenants, in_len, vocab)
+    return result
+
+
+async def _batching(args: argparse.Namespace, target: Target, tenants: list[Any],
+                    in_len: tuple[int, int], vocab: tuple[int, int]) -> dict[str, Any]:
+    """Same requests (mixed output lengths), as static batches and as continuous load."""
+    b = args.static_vs_continuous
+    out_len = parse_length(args.batching_output_len)
+    n = int(str(args.num_requests).split(",")[-1])
+    reqs = plan(n, in_len, out_len, tenants, vocab, seed=args.seed + 7)
+    await run_concurrency(target, reqs[:b], b)  # warm-up
+    progress_on = None if not args.quiet else False
+    s_rec, s_wall = await run_static(target, reqs, b, Progress(len(reqs), "static", progress_on))
+    c_rec, c_wall = await run_concurrency(target, reqs, b,
+                                          Progress(len(reqs), "continuous", progress_on))
+    static, cont = summarize(s_rec, s_wall), summarize(c_rec, c_wall)
+    return {"batch": b, "output_len": args.batching_output_len, "static": static,
+            "continuous": cont,
+            "ratio": cont["output_throughput"] / max(static["output_throughput"], 1e-9)}
+
+
+def main(args: argparse.Namespace) -> int:
+    result = asyncio.run(_bench(args))
+    paths = report.write(result, Path(args.out))
+    print(report.markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    failed = sum(r["summary"]["failed"] for r in result["runs"])
+    return 1 if failed else 0
