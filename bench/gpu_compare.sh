@@ -22,7 +22,8 @@ MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG'
 
 wait_ready() {  # url pid timeout
   local t=0
-  until curl -sf "$1/v1/models" >/dev/null; do
+  until $PY -c "import sys, urllib.request as u; u.urlopen(sys.argv[1] + '/v1/models', timeout=3)" \
+      "$1" 2>/dev/null; do
     sleep 2; t=$((t + 2))
     if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
   done
