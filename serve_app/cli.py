@@ -7,6 +7,7 @@ YAML and serves until Ctrl-C, then shuts Serve and Ray down cleanly.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -52,7 +53,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import APP_NAME, build_app
+    from serve_app.app import APP_NAME, build_app, ray_env
 
     cfg_path = Path(args.config)
     try:
@@ -64,6 +65,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.port:
         cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": args.port})})
+    # Serve reads these when it is imported by Ray's processes, so they go in before Ray starts.
+    for key, value in ray_env(cfg).items():
+        os.environ.setdefault(key, value)
     # The dashboard executes code for whoever reaches it: keep it on localhost.
     ray.init(address=args.address, dashboard_host="127.0.0.1")
     stop = {"now": False}

@@ -136,8 +136,11 @@ class RouterSettings(_Strict):
         1_000_000, ge=1024, description="Larger request bodies get 413 before being parsed."
     )
     max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
-    request_timeout_s: float = Field(
-        600, gt=0, description="A request still running after this long is aborted."
+    high_throughput: bool = Field(
+        True,
+        description="Ray Serve's high-throughput data plane: HAProxy ingress instead of the "
+        "Python HTTP proxy, gRPC between replicas, direct ingress. Set on every node before "
+        "Ray starts (serve-app run does it for a local instance).",
     )
 
 

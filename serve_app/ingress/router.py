@@ -88,6 +88,13 @@ def _engine_error(exc: BaseException) -> EngineRequestError | None:
     return None
 
 
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects. The body has been read, so the next ASGI message
+    can only be ``http.disconnect``: no polling."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @serve.deployment(name="Router")
 @serve.ingress(app)
 class OpenAIRouter:
@@ -119,13 +126,13 @@ class OpenAIRouter:
     async def completions(self, request: Request) -> Response:
         body = await read_json_body(request, self.settings.max_body_bytes)
         req = parse_request(CompletionRequest, body)
-        return await self._serve(req, "completion", f"cmpl-{uuid.uuid4().hex}")
+        return await self._serve(request, req, "completion", f"cmpl-{uuid.uuid4().hex}")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         body = await read_json_body(request, self.settings.max_body_bytes)
         req = parse_request(ChatCompletionRequest, body)
-        return await self._serve(req, "chat", f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._serve(request, req, "chat", f"chatcmpl-{uuid.uuid4().hex}")
 
     # -- internals ------------------------------------------------------------------------------
     async def _model_card(self, name: str) -> dict[str, Any]:
@@ -148,8 +155,8 @@ class OpenAIRouter:
                               f"{', '.join(self.streams)}", param="model", code="model_not_found")
         return handle
 
-    async def _serve(self, req: CompletionRequest | ChatCompletionRequest, kind: Kind,
-                     request_id: str) -> Response:
+    async def _serve(self, http_request: Request, req: CompletionRequest | ChatCompletionRequest,
+                     kind: Kind, request_id: str) -> Response:
         handle = self._stream_handle(req.model)
         if req.n > self.settings.max_n:
             raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
@@ -167,6 +174,23 @@ class OpenAIRouter:
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
             )
+        collect = asyncio.ensure_future(self._collect(gen, first, builder))
+        gone = asyncio.ensure_future(_client_gone(http_request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left (or we were cancelled): stop the engine
+                collect.cancel()
+                gen.cancel()
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed"
+        collect.result()
+        return JSONResponse(builder.body(), headers=headers)
+
+    @staticmethod
+    async def _collect(gen: DeploymentResponseGenerator, first: GenerationChunk,
+                       builder: ResponseBuilder) -> None:
         try:
             builder.add(first)
             if not first.finished:
@@ -174,7 +198,6 @@ class OpenAIRouter:
                     builder.add(chunk)
         finally:
             gen.cancel()  # no-op once the stream ended; aborts the engine work if cancelled
-        return JSONResponse(builder.body(), headers=headers)
 
     async def _first_chunk(self, gen: DeploymentResponseGenerator) -> GenerationChunk:
         try:

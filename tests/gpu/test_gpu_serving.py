@@ -39,6 +39,11 @@ def gpu_stack(tmp_path_factory):
         write_model("llama-3.1-8b", Path(model.path))
     port = _free_port()
     cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port})})
+    import os
+
+    from serve_app.app import ray_env
+
+    os.environ.update(ray_env(cfg))
     ray.init(include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)

@@ -35,12 +35,14 @@ def stack(tiny_model_path):
     import ray
     from ray import serve
 
-    from serve_app.app import APP_NAME, build_app, llm_server_name
+    from serve_app.app import APP_NAME, build_app, llm_server_name, ray_env
     from serve_app.config import load_config
 
     cfg = load_config(REPO / "deployments" / "local-cpu.yaml")
     port = _free_port()
     cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port})})
+    for key, value in ray_env(cfg).items():  # the same data plane as `serve-app run`
+        os.environ[key] = value
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
@@ -70,5 +72,3 @@ def client(stack):
 def engine_load(stack) -> dict[str, int]:
     return stack["server"].engine_load.remote().result(timeout_s=30)
 
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -27,6 +27,18 @@ def test_head_is_cpu_and_workers_have_gpus():
 
 
 def test_dashboard_bound_to_localhost_with_token_auth():
-    start = " ".join(_config()["head_start_ray_commands"])
+    cfg = _config()
+    start = " ".join(cfg["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in start
-    assert "RAY_AUTH_MODE=token" in start
+    for cmds in (cfg["head_start_ray_commands"], cfg["worker_start_ray_commands"]):
+        # exported (not a one-command prefix), so `ray start` itself sees them
+        assert "export RAY_AUTH_MODE=token" in " ".join(cmds)
+
+
+def test_nodes_start_with_the_apps_ray_environment():
+    from serve_app.app import HIGH_THROUGHPUT_ENV
+
+    cfg = _config()
+    for cmds in (cfg["head_start_ray_commands"], cfg["worker_start_ray_commands"]):
+        for key, value in HIGH_THROUGHPUT_ENV.items():
+            assert f"{key}={value}" in " ".join(cmds)
