@@ -9,7 +9,7 @@ MODEL  := models/tiny-llama
 CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install model run test test-unit test-integration bench dashboards-check clean
+.PHONY: install model run test test-unit test-integration bench bench-agreement clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,19 @@ test-unit: install
 
 test-integration: install model
 	$(BIN)/python -m pytest -v -rs tests/integration $(PYTEST_ARGS)
+
+# The benchmark against the embedded default: starts the stack, drives it, leaves
+# bench/out/local/{results.json,summary.md,*.png}, stops the stack.
+BENCH_ARGS ?= --concurrency 1,4,16 --num-requests 16,64,128 --input-len 128 --output-len 64 \
+	--static-vs-continuous 16 --batching-output-len 16-384 \
+	--tenant team-a::2 --tenant team-b::1 --slo-ttft-ms 500 --slo-tpot-ms 50
+bench: install model
+	bash bench/with_local_stack.sh $(BIN)/serve-app bench $(BENCH_ARGS) \
+		--label "embedded default (tiny-llama, CPU)" --out bench/out/local
+
+# `serve-app bench` and `vllm bench serve` on the same endpoint and load.
+bench-agreement: install model
+	bash bench/with_local_stack.sh bash bench/agreement.sh
 
 clean:
 	rm -rf $(VENV) models

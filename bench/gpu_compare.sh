@@ -30,9 +30,10 @@ wait_ready() {  # url pid timeout
   echo "ready after ${t}s"
 }
 
-stop() {  # pid: the server runs in its own session; stop the whole group, then make sure
-  kill -TERM -- -"$1" 2>/dev/null
-  for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || return 0; sleep 1; done
+stop() {  # pid: ask the server to shut down cleanly (serve-app stops Serve and HAProxy before
+  # Ray), then remove whatever is left of its process group
+  kill -TERM "$1" 2>/dev/null
+  for _ in $(seq 90); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
   kill -KILL -- -"$1" 2>/dev/null; sleep 2
 }
 

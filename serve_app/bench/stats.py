@@ -141,18 +141,18 @@ def service_over_time(records: list[RequestRecord], t0: float, bin_s: float
     ok = [r for r in records if r.ok and r.ttft is not None and r.end is not None]
     if not ok:
         return {}
-    n_bins = int((max(r.end for r in ok) - t0) // bin_s) + 1  # type: ignore[type-var]
+    n_bins = int((max(r.end for r in ok) - t0) // bin_s) + 1  # type: ignore[operator]
     series: dict[str, list[float]] = {}
     for r in ok:
         row = series.setdefault(r.tenant, [0.0] * n_bins)
-        first = r.start + r.ttft  # type: ignore[operator]
-        span = max(r.end - first, 1e-9)  # type: ignore[operator]
-        b = int((first - t0) // bin_s)
-        while b < n_bins:
-            lo, hi = max(first, t0 + b * bin_s), min(r.end, t0 + (b + 1) * bin_s)  # type: ignore[type-var]
-            if hi <= lo and b > int((first - t0) // bin_s):
+        first, end = r.start + r.ttft, r.end  # type: ignore[operator]
+        span = end - first  # type: ignore[operator]
+        lo_bin = int((first - t0) // bin_s)
+        hi_bin = min(int((end - t0) // bin_s), n_bins - 1)  # type: ignore[operator]
+        for b in range(lo_bin, hi_bin + 1):
+            if span <= 0:
+                row[b] += r.output_tokens / bin_s
                 break
-            share = r.output_tokens * max(hi - lo, 0.0) / span if span > 1e-9 else r.output_tokens
-            row[b] += share / bin_s
-            b += 1
+            overlap = min(end, t0 + (b + 1) * bin_s) - max(first, t0 + b * bin_s)  # type: ignore[type-var]
+            row[b] += r.output_tokens * max(overlap, 0.0) / span / bin_s
     return series
