@@ -141,7 +141,8 @@ class OpenAIRouter:
                                 "owned_by": "serve-app", "root": name}
         if name not in self._max_model_len:
             try:
-                info = await self.handles[name].model_info.remote()
+                # Bounded: a replica still loading must not hold /v1/models hostage.
+                info = await asyncio.wait_for(self.handles[name].model_info.remote(), 5)
                 self._max_model_len[name] = info["max_model_len"]
             except Exception:  # a model still starting keeps its card without the length
                 logger.warning("model_info of %s unavailable", name, exc_info=True)
@@ -186,7 +187,10 @@ class OpenAIRouter:
                 gen.cancel()
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)  # nobody is listening; nginx's "client closed"
-        collect.result()
+        if collect.exception() is not None:  # the engine failed mid-request: our fault, not theirs
+            logger.error("engine request failed mid-way", exc_info=collect.exception())
+            raise OpenAIError(503, "the model failed while generating; retry shortly",
+                              headers={"Retry-After": "1"})
         return JSONResponse(builder.body(), headers=headers)
 
     @staticmethod

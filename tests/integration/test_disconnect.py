@@ -25,7 +25,7 @@ def _wait_idle(stack, seconds: float) -> dict[str, int]:
 ])
 def test_stream_disconnect_aborts_engine_request(stack, path, body):
     payload = {"model": stack["model"], "max_tokens": 1900, "ignore_eos": True, "stream": True,
-               **body}
+               "n": 4, **body}
     with httpx.Client(base_url=stack["base"], timeout=60) as c:
         with c.stream("POST", path, json=payload) as r:
             assert r.status_code == 200
@@ -46,7 +46,10 @@ def test_stream_disconnect_aborts_engine_request(stack, path, body):
 
 
 def test_non_streaming_disconnect_aborts_engine_request(stack):
-    payload = {"model": stack["model"], "prompt": "x", "max_tokens": 1900, "ignore_eos": True}
+    # n=4 x 1900 tokens takes far longer than the test waits, so finishing naturally cannot
+    # pass for an abort.
+    payload = {"model": stack["model"], "prompt": "x", "max_tokens": 1900, "ignore_eos": True,
+               "n": 4}
     with httpx.Client(base_url=stack["base"], timeout=1.5) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json=payload)
