@@ -61,4 +61,7 @@ class LLMServer:
         await self.engine.check_health()
 
     async def __del__(self) -> None:
-        await self.engine.shutdown()
+        # The constructor may have failed before the engine existed.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            await engine.shutdown()
