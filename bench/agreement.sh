@@ -4,23 +4,23 @@
 # usage: bench/agreement.sh [BASE_URL] [MODEL] [TOKENIZER]
 set -euo pipefail
 BASE=${1:-http://127.0.0.1:8000}; MODEL=${2:-tiny-llama}; TOK=${3:-models/tiny-llama}
-BIN=${BIN:-.venv/bin}
+PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT_DIR:-bench/out/agreement}
 IN=${IN_LEN:-128}; OUTLEN=${OUT_LEN:-64}; N=${NUM:-160}; C=${CONC:-16}
 mkdir -p "$OUT"
 ROUNDS=${ROUNDS:-2}
 # The tools take turns (vllm, ours, vllm, ours, ...) so drift of the server shows in both.
 for r in $(seq "$ROUNDS"); do
-  "$BIN/serve-app" vllm bench serve --backend openai --base-url "$BASE" --endpoint /v1/completions \
+  "$PY" -m serve_app.cli vllm bench serve --backend openai --base-url "$BASE" --endpoint /v1/completions \
     --model "$MODEL" --tokenizer "$TOK" --dataset-name random --random-input-len "$IN" \
     --random-output-len "$OUTLEN" --num-prompts "$N" --max-concurrency "$C" --ignore-eos \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
     --save-result --result-dir "$OUT" --result-filename "vllm-$r.json" > "$OUT/vllm-$r.log" 2>&1
-  "$BIN/serve-app" bench --base-url "$BASE" --model "$MODEL" --input-len "$IN" \
+  "$PY" -m serve_app.cli bench --base-url "$BASE" --model "$MODEL" --input-len "$IN" \
     --output-len "$OUTLEN" --num-requests "$N" --concurrency "$C" --warmup "$C" --quiet \
     --out "$OUT/serve-app-$r" > "$OUT/serve-app-$r.log"
 done
-"$BIN/python" - "$OUT" "$ROUNDS" <<'PY'
+"$PY" - "$OUT" "$ROUNDS" <<'PY'
 import json, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
 def mean(xs): return sum(xs) / len(xs)

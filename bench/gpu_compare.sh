@@ -11,10 +11,10 @@ shift $(( $# < 5 ? $# : 5 ))
 EXTRA=("$@")
 PY=${PYTHON:-python3}
 NAME=cmp-${IN}-${OUTLEN}
-DIR=$(mktemp -d)/$NAME   # everything; $OUT gets the comparison and one archive of the rest
-mkdir -p "$DIR"
 DEST=${OUT:-bench/out}
-mkdir -p "$DEST"
+# Everything goes straight under $DEST, so what finished survives a command cut off by a time limit.
+DIR=$DEST/$NAME
+mkdir -p "$DIR"
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
 MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].path)")
 # The config's model folder; written as a config-only shape (SHAPE) when missing.
@@ -63,5 +63,4 @@ echo "stack arm took $(( $(date +%s) - T0 ))s"
 
 $PY bench/compare_arms.py "$DIR/bare/results.json" "$DIR/stack/results.json" \
   --md "$DIR/compare.md" --title "$MODEL, ${IN} in / ${OUTLEN} out"
-cp "$DIR/compare.md" "$DEST/$NAME.md"
-tar czf "$DEST/$NAME.tgz" -C "$(dirname "$DIR")" "$NAME"
+cat "$DIR/compare.md"

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # Run a command against a freshly started local stack: `serve-app run --config $CONFIG` in its own
 # process group, wait until /v1/models answers, run "$@", then stop the stack cleanly.
-# usage: bench/with_local_stack.sh COMMAND [ARGS...]   (CONFIG, PORT and SERVE_APP from the env)
+# usage: bench/with_local_stack.sh COMMAND [ARGS...]   (CONFIG, PORT, PYTHON, STACK_LOG from the env)
 set -uo pipefail
 CONFIG=${CONFIG:-deployments/local-cpu.yaml}
 PORT=${PORT:-8000}
-SERVE_APP=${SERVE_APP:-.venv/bin/serve-app}
+PY=${PYTHON:-.venv/bin/python}
 LOG=${STACK_LOG:-bench/out/stack-server.log}
 mkdir -p "$(dirname "$LOG")"
-setsid "$SERVE_APP" run --config "$CONFIG" --port "$PORT" > "$LOG" 2>&1 &
+setsid "$PY" -m serve_app.cli run --config "$CONFIG" --port "$PORT" > "$LOG" 2>&1 &
 STACK=$!
 # TERM to serve-app alone: it shuts Serve down (which stops HAProxy) before Ray; signalling the
 # whole group at once would kill Serve's actors first and orphan HAProxy on the port.
 trap 'kill -TERM $STACK 2>/dev/null; for _ in $(seq 90); do kill -0 $STACK 2>/dev/null || break; sleep 1; done; kill -KILL -- -$STACK 2>/dev/null' EXIT
-for t in $(seq 300); do
-  if "${SERVE_APP%serve-app}python" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/v1/models', timeout=3)" 2>/dev/null; then
-    echo "stack ready after ${t}s (log: $LOG)"; break
-  fi
+T0=$(date +%s)
+until "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/v1/models', timeout=3)" 2>/dev/null; do
   kill -0 $STACK 2>/dev/null || { echo "stack exited; see $LOG"; exit 1; }
+  [ $(( $(date +%s) - T0 )) -lt "${READY_TIMEOUT_S:-300}" ] || { echo "stack not ready; see $LOG"; exit 1; }
   sleep 1
 done
+echo "stack ready after $(( $(date +%s) - T0 ))s (log: $LOG)"
 "$@"
