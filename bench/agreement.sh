@@ -9,15 +9,23 @@ OUT=${OUT_DIR:-bench/out/agreement}
 IN=${IN_LEN:-128}; OUTLEN=${OUT_LEN:-64}; N=${NUM:-160}; C=${CONC:-16}
 mkdir -p "$OUT"
 ROUNDS=${ROUNDS:-2}
+# Both tools warm up with C requests before measuring. vLLM's prefix cache would serve a repeated
+# prompt from cache, so every run draws new random prompts (its own seed) and no run is faster
+# than another for having followed it.
+WARM=(--num-warmups "$C")
+HELP=$("$PY" -m serve_app.cli vllm bench serve --help=all 2>/dev/null || true)
+[[ $HELP == *--num-warmups* ]] || WARM=()
 # The tools take turns (vllm, ours, vllm, ours, ...) so drift of the server shows in both.
 for r in $(seq "$ROUNDS"); do
   "$PY" -m serve_app.cli vllm bench serve --backend openai --base-url "$BASE" --endpoint /v1/completions \
     --model "$MODEL" --tokenizer "$TOK" --dataset-name random --random-input-len "$IN" \
     --random-output-len "$OUTLEN" --num-prompts "$N" --max-concurrency "$C" --ignore-eos \
+    --seed "$r" "${WARM[@]}" \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
     --save-result --result-dir "$OUT" --result-filename "vllm-$r.json" > "$OUT/vllm-$r.log" 2>&1
   "$PY" -m serve_app.cli bench --base-url "$BASE" --model "$MODEL" --input-len "$IN" \
     --output-len "$OUTLEN" --num-requests "$N" --concurrency "$C" --warmup "$C" --quiet \
+    --seed $((100 * r)) \
     --out "$OUT/serve-app-$r" > "$OUT/serve-app-$r.log"
 done
 "$PY" - "$OUT" "$ROUNDS" <<'PY'
