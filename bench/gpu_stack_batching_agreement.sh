@@ -3,7 +3,8 @@
 # of `serve-app bench` with `vllm bench serve` on the same endpoint. Results land in $OUT
 # (or bench/out/gpu-stack).
 # usage: bench/gpu_stack_batching_agreement.sh [CONFIG] [BATCH] [NUM_REQUESTS]
-#   env: BATCH_OUTPUT_LEN (16-512), BATCH_INPUT_LEN (512), AGREE_IN/AGREE_OUT/AGREE_NUM/AGREE_CONC
+#   env: BATCH_OUTPUT_LEN (16-512), BATCH_INPUT_LEN (512), AGREE_IN/AGREE_OUT/AGREE_NUM/AGREE_CONC,
+#        ROUNDS (agreement rounds), SKIP_BATCHING=1 (agreement only)
 set -uo pipefail
 CONFIG=${1:-deployments/gpu-1.yaml}; B=${2:-64}; N=${3:-512}
 export PYTHON=${PYTHON:-python3}
@@ -20,6 +21,7 @@ BATCH_CMD="$PYTHON -m serve_app.cli bench --base-url http://127.0.0.1:8000 --mod
 AGREE_CMD="OUT_DIR=$DEST/agreement IN_LEN=${AGREE_IN:-1024} OUT_LEN=${AGREE_OUT:-128} \
   NUM=${AGREE_NUM:-256} CONC=${AGREE_CONC:-64} bash bench/agreement.sh http://127.0.0.1:8000 \
   $MODEL $MPATH"
+if [ "${SKIP_BATCHING:-0}" = 1 ]; then BATCH_CMD=true; fi
 bash bench/with_local_stack.sh bash -c "$BATCH_CMD > $DEST/batching.log 2>&1; \
   grep -A8 'Static vs continuous' $DEST/batching/summary.md || tail -n 20 $DEST/batching.log; \
   $AGREE_CMD"
