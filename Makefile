@@ -9,7 +9,7 @@ MODEL  := models/tiny-llama
 CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install model run test test-unit test-integration bench bench-agreement clean
+.PHONY: install model prometheus observe run test test-unit test-integration bench bench-agreement clean
 
 install: $(VENV)/.installed
 
@@ -22,20 +22,41 @@ $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 
 model: $(MODEL)/.serve_app_model.json
 
+# Debian's Prometheus for the dashboard tests, unpacked into the venv (no system install, no
+# service started): tests/integration/test_dashboards_prometheus.py runs it against the stack.
+PROMETHEUS_DEB ?= 2.42.0+ds-5+deb12u1
+PROMETHEUS_BIN := $(VENV)/prometheus/usr/bin/prometheus
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+prometheus: $(PROMETHEUS_BIN)
+
+$(PROMETHEUS_BIN): | install
+	rm -rf $(VENV)/prometheus-deb && mkdir -p $(VENV)/prometheus-deb
+	cd $(VENV)/prometheus-deb && { apt-get download -q prometheus=$(PROMETHEUS_DEB) 2>/dev/null || \
+		{ $(SUDO) apt-get update -q && apt-get download -q prometheus=$(PROMETHEUS_DEB); }; }
+	dpkg-deb -x $(VENV)/prometheus-deb/prometheus_*.deb $(VENV)/prometheus
+	rm -rf $(VENV)/prometheus-deb
+	$(PROMETHEUS_BIN) --version | head -n 1
+
 $(MODEL)/.serve_app_model.json: | install
 	$(BIN)/serve-app make-model tiny --out $(MODEL)
 
 run: install model
 	$(BIN)/serve-app run --config $(CONFIG)
 
-test: install model
-	$(BIN)/python -m pytest -v -rs tests $(PYTEST_ARGS)
+# Prometheus on 127.0.0.1:9090 scraping a running `make run` (the committed scrape config);
+# point Grafana at it with dashboards/provisioning.
+observe: prometheus
+	$(PROMETHEUS_BIN) --config.file=dashboards/prometheus.yml \
+		--storage.tsdb.path=$(VENV)/prometheus-data --web.listen-address=127.0.0.1:9090
+
+test: install model prometheus
+	PROMETHEUS_BIN=$(abspath $(PROMETHEUS_BIN)) $(BIN)/python -m pytest -v -rs tests $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/python -m pytest -v tests/unit $(PYTEST_ARGS)
 
-test-integration: install model
-	$(BIN)/python -m pytest -v -rs tests/integration $(PYTEST_ARGS)
+test-integration: install model prometheus
+	PROMETHEUS_BIN=$(abspath $(PROMETHEUS_BIN)) $(BIN)/python -m pytest -v -rs tests/integration $(PYTEST_ARGS)
 
 # The benchmark against the embedded default: starts the stack, drives it, leaves
 # bench/out/local/{results.json,summary.md,*.png}, stops the stack.

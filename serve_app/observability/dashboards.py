@@ -43,10 +43,12 @@ def serving_dashboard() -> dict[str, Any]:
     """The serving path: requests, errors, TTFT, tokens/s, engine running/waiting."""
     rate = "[$__rate_interval]"
     panels = [
-        _panel(1, "Requests per second by route",
-               [(f"sum by (route) (rate({metric('ray_serve_num_http_requests_total')}{rate}))",
-                 "{{route}}")], "reqps", 0, 0,
-               "Requests handled by the Serve HTTP proxy."),
+        _panel(1, "Requests per second by status code",
+               [(f"sum by (status_code) (rate({metric('ray_serve_num_http_requests_total')}"
+                 f"{rate}))", "{{status_code}}")], "reqps", 0, 0,
+               "HTTP requests answered by the ingress (the router replica under Serve's direct "
+               "ingress; the Serve proxy otherwise). Every route shares the app prefix \"/\", "
+               "so status code is the useful split."),
         _panel(2, "Errors per second by status code",
                [(f"sum by (error_code) (rate({metric('ray_serve_num_http_error_requests_total')}"
                  f"{rate}))", "{{error_code}}")], "reqps", 12, 0,
@@ -69,8 +71,18 @@ def serving_dashboard() -> dict[str, Any]:
                [(f"max by (model_name) ({metric('ray_vllm_kv_cache_usage_perc')})",
                  "{{model_name}}")], "percentunit", 0, 24,
                "Fraction of KV-cache blocks in use; near 1 means preemptions."),
-        _panel(8, "HTTP latency (proxy)", _quantiles("ray_serve_http_request_latency_ms"),
-               "ms", 12, 24, "End-to-end latency of whole HTTP requests at the proxy."),
+        _panel(8, "HTTP latency (ingress)", _quantiles("ray_serve_http_request_latency_ms"),
+               "ms", 12, 24, "Latency of whole HTTP requests at the ingress, to the last byte "
+               "of a stream."),
+        _panel(9, "Engine end-to-end request latency",
+               _quantiles("ray_vllm_e2e_request_latency_seconds"), "s", 0, 32,
+               "From arrival at the engine to its last token; the gap to the HTTP latency is "
+               "the time spent in the router and on the wire."),
+        _panel(10, "Requests in flight per replica",
+               [(f"sum by (deployment) ({metric('ray_serve_replica_processing_queries')})",
+                 "{{deployment}}")], "short", 12, 32,
+               "Requests each Serve deployment's replicas are processing now (router and "
+               "LLMServer), the figure Serve routes and autoscales on."),
     ]
     return {
         "uid": "serve-app-serving",

@@ -23,11 +23,12 @@ METRICS: dict[str, Metric] = {
     m.name: m
     for m in [
         Metric("ray_serve_num_http_requests_total", "counter", "serve",
-               "HTTP requests handled by the Serve proxy, by route and status code."),
+               "HTTP requests answered by the ingress (router replica under direct ingress, else "
+               "the Serve proxy), by status code."),
         Metric("ray_serve_num_http_error_requests_total", "counter", "serve",
                "HTTP requests answered with an error status, by route and code."),
         Metric("ray_serve_http_request_latency_ms", "histogram", "serve",
-               "End-to-end HTTP latency seen by the proxy."),
+               "Whole-request HTTP latency at the ingress (to the last byte of a stream)."),
         Metric("ray_serve_replica_processing_queries", "gauge", "serve",
                "Requests a replica is processing right now."),
         Metric("ray_vllm_time_to_first_token_seconds", "histogram", "vllm",

@@ -43,7 +43,9 @@ def stack(tiny_model_path):
     cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port})})
     for key, value in ray_env(cfg).items():  # the same data plane as `serve-app run`
         os.environ[key] = value
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # As `serve-app run` starts it: with the dashboard, whose head writes the Prometheus
+    # service-discovery file the committed scrape config reads.
+    ray.init(num_cpus=2, dashboard_host="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"

@@ -1,0 +1,170 @@
+"""The Grafana dashboards against a real Prometheus (Debian's ``prometheus``) scraping the running
+stack through the committed scrape config: every query of every panel must return data while
+traffic flows. A renamed metric, a label that does not exist or a scrape config that finds no
+target shows up here as a named panel without data, not as a blank graph in production."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import yaml
+
+from serve_app.observability.dashboards import DASHBOARD_DIR, DASHBOARDS
+
+from .conftest import _free_port
+
+# `make test` unpacks Debian's prometheus into the venv and names it in PROMETHEUS_BIN.
+PROMETHEUS = os.environ.get("PROMETHEUS_BIN") or shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None or not os.access(PROMETHEUS, os.X_OK),
+    reason="no prometheus binary (`make prometheus` fetches Debian's)")
+
+# Grafana replaces $__rate_interval with max(4 x scrape interval, query step + scrape interval);
+# a minute covers several of Ray's metric exports (one every few seconds).
+RATE_INTERVAL = "1m"
+
+
+def _dashboard_queries() -> list[tuple[str, str, str]]:
+    """(dashboard, panel title, PromQL with Grafana's variables filled in) for every target."""
+    queries = []
+    for name in DASHBOARDS:
+        dash = json.loads((DASHBOARD_DIR / name).read_text())
+        for panel in dash["panels"]:
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL)
+                queries.append((name, panel["title"], expr))
+    return queries
+
+
+@pytest.fixture(scope="module")
+def prometheus(stack, tmp_path_factory) -> Iterator[str]:
+    """A Prometheus server using the committed scrape config (only its intervals shortened)."""
+    work: Path = tmp_path_factory.mktemp("prometheus")
+    config = yaml.safe_load((DASHBOARD_DIR / "prometheus.yml").read_text())
+    config["global"].update({"scrape_interval": "1s", "evaluation_interval": "1s"})
+    for job in config["scrape_configs"]:
+        for sd in job.get("file_sd_configs", []):
+            sd["refresh_interval"] = "1s"
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = _free_port()
+    log = open(work / "prometheus.log", "w")
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
+         f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (work / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.5)
+        else:
+            pytest.fail("prometheus did not become ready in 60 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _query(url: str, expr: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def _has_data(result: list[dict[str, Any]]) -> bool:
+    """At least one series with a finite value (a histogram quantile over no traffic is NaN)."""
+    return any(math.isfinite(float(series["value"][1])) for series in result)
+
+
+class _Traffic:
+    """Keeps every kind of request a panel draws flowing: text and chat, JSON and streamed,
+    and the client errors the error panel counts (404 unknown model, 400 bad parameter)."""
+
+    def __init__(self, base: str, model: str) -> None:
+        self.base, self.model = base, model
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.base, timeout=60) as c:
+            while not self.stop.is_set():
+                c.post("/v1/completions",
+                       json={"model": self.model, "prompt": "hello", "max_tokens": 4})
+                with c.stream("POST", "/v1/chat/completions", json={
+                        "model": self.model, "max_tokens": 4, "stream": True,
+                        "messages": [{"role": "user", "content": "hi"}]}) as r:
+                    for _ in r.iter_bytes():
+                        pass
+                c.post("/v1/completions", json={"model": "no-such-model", "prompt": "x"})
+                c.post("/v1/completions",
+                       json={"model": self.model, "prompt": "x", "max_tokens": -1})
+                self.stop.wait(0.2)
+
+    def __enter__(self) -> "_Traffic":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+
+
+def test_scrape_config_finds_ray_metrics_agents(prometheus):
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        active = httpx.get(f"{prometheus}/api/v1/targets", timeout=10).json()["data"][
+            "activeTargets"]
+        if active and all(t["health"] == "up" for t in active):
+            break
+        time.sleep(1)
+    assert active, "the committed file_sd config found no Ray metrics agent"
+    assert all(t["health"] == "up" for t in active), [
+        (t["scrapeUrl"], t["health"], t.get("lastError")) for t in active]
+
+
+def test_every_dashboard_query_returns_data(stack, prometheus):
+    queries = _dashboard_queries()
+    assert len(queries) >= 10
+    missing = queries
+    with _Traffic(stack["base"], stack["model"]):
+        deadline = time.time() + 150
+        while missing and time.time() < deadline:
+            missing = [q for q in missing if not _has_data(_query(prometheus, q[2]))]
+            time.sleep(2)
+    assert not missing, "panels without data:\n" + "\n".join(
+        f"  {d} / {title}: {expr}" for d, title, expr in missing)
+
+
+def test_per_status_split_matches_the_traffic(stack, prometheus):
+    """The status-code split the dashboard draws holds the 200s, 400s and 404s we sent."""
+    with _Traffic(stack["base"], stack["model"]):
+        deadline = time.time() + 90
+        codes: set[str] = set()
+        while time.time() < deadline:
+            result = _query(prometheus, "sum by (status_code) "
+                            "(increase(ray_serve_num_http_requests_total[1m]))")
+            codes = {s["metric"].get("status_code", "") for s in result
+                     if float(s["value"][1]) > 0}
+            if {"200", "400", "404"} <= codes:
+                break
+            time.sleep(2)
+    assert {"200", "400", "404"} <= codes, codes
+    assert not any(c.startswith("5") for c in codes), codes
