@@ -1,0 +1,101 @@
+"""A vLLM engine core that dies under load (OOM killer, driver fault) is a server fault, never a
+500 to the client or a hung stream: in-flight streams end with an error event, non-streaming
+requests and new requests get an OpenAI-shaped 503, Serve's health check replaces the replica,
+and the endpoint serves again without anyone restarting it.
+
+The test kills the real engine-core process of the shared stack and waits for the recovery, so
+the tests after it run against a fresh replica."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+from ray.util.state import list_actors
+
+from serve_app.app import APP_NAME, llm_server_name
+
+LONG = {"max_tokens": 1900, "ignore_eos": True}
+
+
+def _engine_core_processes(model: str) -> list[psutil.Process]:
+    """The engine-core processes under this stack's LLMServer replica (not any other vLLM)."""
+    actors = list_actors(filters=[("class_name", "=",
+                                   f"ServeReplica:{APP_NAME}:{llm_server_name(model)}"),
+                                  ("state", "=", "ALIVE")])
+    cores = []
+    for actor in actors:
+        for child in psutil.Process(actor["pid"]).children(recursive=True):
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                cores.append(child)
+    return cores
+
+
+def _stream_until_end(client: httpx.Client, body: dict, first_chunk: threading.Event,
+                      out: dict) -> None:
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        out["status"] = r.status_code
+        lines = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                first_chunk.set()
+        out["events"] = lines
+    first_chunk.set()
+
+
+def test_engine_death_is_a_503_and_the_replica_recovers(stack):
+    model = stack["model"]
+    cores = _engine_core_processes(model)
+    assert len(cores) == 1, cores
+
+    first_chunk = threading.Event()
+    stream_out: dict = {}
+    json_out: dict = {}
+    with httpx.Client(base_url=stack["base"], timeout=120) as client:
+        stream = threading.Thread(target=_stream_until_end, args=(
+            client, {"model": model, "prompt": "hello", "stream": True, **LONG},
+            first_chunk, stream_out))
+        blocking = threading.Thread(target=lambda: json_out.update(resp=client.post(
+            "/v1/completions", json={"model": model, "prompt": "hello", "n": 4, **LONG})))
+        stream.start()
+        blocking.start()
+        assert first_chunk.wait(60), "the stream never started"
+        time.sleep(0.2)  # the non-streaming request is in the engine too
+        cores[0].send_signal(signal.SIGKILL)
+        stream.join(90)
+        blocking.join(90)
+        assert not stream.is_alive() and not blocking.is_alive(), "a request hung on a dead engine"
+
+        # The stream had started (200), so the fault arrives as an error event, without [DONE].
+        assert stream_out["status"] == 200
+        events = stream_out["events"]
+        assert "[DONE]" not in events, "a cut-off stream must not look complete"
+        assert "error" in json.loads(events[-1]), events[-1]
+
+        resp = json_out["resp"]
+        assert resp.status_code == 503, (resp.status_code, resp.text)
+        assert resp.json()["error"]["type"] == "service_unavailable"
+
+        # Until the replica is replaced, requests get 503 (with Retry-After) or wait; never 500.
+        seen = []
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            r = client.post("/v1/completions",
+                            json={"model": model, "prompt": "hello", "max_tokens": 4})
+            seen.append(r.status_code)
+            assert r.status_code in (200, 503), (r.status_code, r.text)
+            if r.status_code == 200:
+                break
+            assert "error" in r.json() and r.headers.get("retry-after"), r.text
+            time.sleep(1)
+        assert seen[-1] == 200, f"no recovery in 240 s: {seen}"
+
+    new_cores = _engine_core_processes(model)
+    assert len(new_cores) == 1 and new_cores[0].pid != cores[0].pid
+    load = stack["server"].engine_load.remote().result(timeout_s=30)
+    assert load["unfinished"] == 0, load
