@@ -144,11 +144,63 @@ class RouterSettings(_Strict):
     )
 
 
+Priority = Literal["high", "normal", "low"]
+
+
+class TenantSettings(_Strict):
+    """One tenant: the API keys that act for it and the limits it is held to.
+
+    Keys are stored only as SHA-256 hex digests (``serve-app keys new TENANT`` prints a fresh key
+    and its digest); the config never holds a usable key.
+    """
+
+    name: str = Field(description="Tenant name, as it appears in metrics and logs.")
+    api_key_sha256: list[str] = Field(
+        min_length=1, description="SHA-256 hex digests of the tenant's API keys."
+    )
+    priority: Priority = Field("normal", description="Priority class of the tenant's requests.")
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="Requests admitted per minute (token bucket; None = no limit)."
+    )
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Prompt + completion tokens per minute (None = no limit). "
+        "Tokens are counted when a request ends; a tenant over its budget waits until it "
+        "refills.",
+    )
+    models: list[str] | None = Field(
+        None, description="Models the tenant may use (None = all). Others look nonexistent."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _tenant_name_ok(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", v):
+            raise ValueError("use letters, digits and . _ - (at most 64 characters)")
+        return v
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _digests(cls, v: list[str]) -> list[str]:
+        for d in v:
+            if not re.fullmatch(r"[0-9a-f]{64}", d):
+                raise ValueError(
+                    "each entry is a SHA-256 hex digest (64 lowercase hex characters), not a key; "
+                    "`serve-app keys new TENANT` prints one"
+                )
+        return v
+
+
 class AppConfig(_Strict):
-    """A whole deployment: the models it serves and its router."""
+    """A whole deployment: the models it serves, its router and its tenants."""
 
     models: list[ModelSettings] = Field(min_length=1, description="Models served by this app.")
     router: RouterSettings = Field(default_factory=RouterSettings)
+    tenants: list[TenantSettings] = Field(
+        default_factory=list,
+        description="Tenants and their keys. Empty: the endpoint is open (no key needed, no "
+        "quotas; every request counts as tenant `anonymous`). Otherwise every /v1 request needs "
+        "`Authorization: Bearer <key>` of a listed tenant.",
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> AppConfig:
@@ -156,6 +208,17 @@ class AppConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model names must be unique; rename the repeated {dupes}")
+        tenants = [t.name for t in self.tenants]
+        dupes = sorted({n for n in tenants if tenants.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tenant names must be unique; rename the repeated {dupes}")
+        digests = [d for t in self.tenants for d in t.api_key_sha256]
+        if len(digests) != len(set(digests)):
+            raise ValueError("an API key digest is listed for more than one tenant (or twice)")
+        for t in self.tenants:
+            unknown = sorted(set(t.models or []) - set(names))
+            if unknown:
+                raise ValueError(f"tenant {t.name} lists models that are not served: {unknown}")
         return self
 
     def model(self, name: str) -> ModelSettings | None:

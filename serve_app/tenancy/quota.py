@@ -1,0 +1,117 @@
+"""Per-tenant quotas: requests per minute and tokens per minute, as token buckets.
+
+* RPM: a request takes one token from the tenant's request bucket when admitted.
+* TPM: tokens are debited when a request ends (prompt + completion, exact, from the engine's
+  counts); a request is admitted while the tenant's token bucket is above zero. A tenant can
+  overshoot by what it has in flight, and then waits until the bucket refills: no estimate of the
+  output length is ever needed, and nothing is charged for tokens never produced.
+
+Buckets hold a minute's worth (a full minute's budget may be spent in a burst) and refill
+continuously. With several router replicas each holds ``1/replicas`` of every limit
+(``share``); the load balancer spreads a tenant's requests over them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from serve_app.config import TenantSettings
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """``capacity`` tokens at most, refilled at ``rate`` per second; the level may go negative
+    through :meth:`debit` (usage reported after the fact)."""
+
+    capacity: float
+    rate: float
+    level: float = field(default=math.nan)
+    updated: float = 0.0
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.level):
+            self.level = self.capacity
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def wait_for(self, n: float, now: float) -> float:
+        """Seconds until ``n`` tokens are available (0 if they are now). Takes nothing."""
+        self._refill(now)
+        return 0.0 if self.level >= n else (n - self.level) / self.rate
+
+    def take(self, n: float, now: float) -> None:
+        self._refill(now)
+        self.level -= n
+
+    def debit(self, n: float, now: float) -> None:
+        """Charge usage already spent; may leave the level below zero."""
+        self.take(n, now)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The quota decision: admitted, or which limit refused and when to retry."""
+
+    admitted: bool
+    retry_after_s: float = 0.0
+    limit: str | None = None  # "requests_per_minute" or "tokens_per_minute"
+    message: str = ""
+
+
+ADMITTED = Admission(True)
+
+
+class QuotaBook:
+    """Quota state of every tenant held by one router replica."""
+
+    def __init__(self, tenants: list[TenantSettings], share: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < share <= 1:
+            raise ValueError("share must be in (0, 1]")
+        self.clock = clock
+        now = clock()
+        self._rpm: dict[str, TokenBucket] = {}
+        self._tpm: dict[str, TokenBucket] = {}
+        self._limits: dict[str, TenantSettings] = {t.name: t for t in tenants}
+        for t in tenants:
+            if t.requests_per_minute:
+                cap = t.requests_per_minute * share
+                self._rpm[t.name] = TokenBucket(max(cap, 1.0), cap / 60, updated=now)
+            if t.tokens_per_minute:
+                cap = t.tokens_per_minute * share
+                self._tpm[t.name] = TokenBucket(cap, cap / 60, updated=now)
+
+    def admit(self, tenant: str) -> Admission:
+        """Admit one request of ``tenant`` now (taking from its request bucket) or refuse it
+        with the wait after which a retry can succeed. Unknown tenants have no limits."""
+        now = self.clock()
+        tpm = self._tpm.get(tenant)
+        if tpm is not None:
+            wait = tpm.wait_for(1e-9, now)  # admitted while above zero
+            if wait > 0:
+                limit = self._limits[tenant].tokens_per_minute
+                return Admission(False, wait, "tokens_per_minute",
+                                 f"tenant {tenant} is over its limit of {limit} tokens per "
+                                 f"minute; retry in {math.ceil(wait)} s")
+        rpm = self._rpm.get(tenant)
+        if rpm is not None:
+            wait = rpm.wait_for(1, now)
+            if wait > 0:
+                limit = self._limits[tenant].requests_per_minute
+                return Admission(False, wait, "requests_per_minute",
+                                 f"tenant {tenant} is over its limit of {limit} requests per "
+                                 f"minute; retry in {math.ceil(wait)} s")
+            rpm.take(1, now)
+        return ADMITTED
+
+    def settle(self, tenant: str, tokens: int) -> None:
+        """Charge ``tokens`` (prompt + completion) a finished request of ``tenant`` used."""
+        tpm = self._tpm.get(tenant)
+        if tpm is not None and tokens > 0:
+            tpm.debit(tokens, self.clock())
