@@ -1,4 +1,4 @@
-"""One command line: ``serve-app run | make-model | bench | dashboards | vllm``.
+"""One command line: ``serve-app run | make-model | bench | keys | dashboards | vllm``.
 
 ``run`` starts a local Ray instance (or joins ``--address``), deploys the app from a deployment
 YAML and serves until Ctrl-C, then shuts Serve and Ray down cleanly.
@@ -105,6 +105,25 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Print a fresh API key for ``args.tenant`` (give it to the tenant) and the config entry
+    that holds only its digest (put it in the deployment YAML)."""
+    from serve_app.tenancy.keys import key_digest, new_key
+
+    if args.action == "digest":
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("give the key on standard input", file=sys.stderr)
+            return 2
+        print(key_digest(key))
+        return 0
+    key = new_key()
+    print(f"API key for {args.tenant} (shown once; the config keeps only its digest):\n  {key}\n")
+    print("deployment YAML:\ntenants:")
+    print(f"  - name: {args.tenant}\n    api_key_sha256:\n      - {key_digest(key)}")
+    return 0
+
+
 def cmd_vllm(args: argparse.Namespace) -> int:
     from serve_app.engine.vllm_adapter import run_vllm_cli
 
@@ -136,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) to a folder")
     p.add_argument("--out", default="dashboards")
     p.set_defaults(func=cmd_dashboards)
+
+    p = sub.add_parser("keys", help="make API keys: `keys new TENANT`, `keys digest < KEYFILE`")
+    p.add_argument("action", choices=["new", "digest"])
+    p.add_argument("tenant", nargs="?", default="my-team")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("vllm", help="vLLM's own CLI (serve, bench serve) on either vLLM build")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER)

@@ -69,6 +69,9 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
     add_special_tokens: bool = True
+    # Prefix-cache isolation: requests share cached prefixes only with the same salt. The router
+    # sets it from the tenant (never from the client).
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

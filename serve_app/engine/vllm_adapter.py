@@ -152,7 +152,10 @@ class VLLMEngine:
         n_prompt = len(ids)
         # DELTA outputs: vLLM's per-request collector merges whatever piled up while this
         # consumer was busy, so a slow hop downstream gets fewer, larger chunks, never a timer.
-        stream = self._engine.generate({"prompt_token_ids": ids}, params, request.request_id)
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt  # prefix cache shared within a tenant only
+        stream = self._engine.generate(prompt, params, request.request_id)
         try:
             async for out in stream:
                 deltas = [

@@ -27,6 +27,8 @@ from serve_app.engine.protocol import EngineRequestError, GenerationChunk
 from serve_app.ingress.errors import OpenAIError, install_error_handlers
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
+from serve_app.ingress.tenants import TenantGate
+from serve_app.tenancy.keys import Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,9 @@ class OpenAIRouter:
         self.handles = servers
         self.created = int(time.time())
         self._max_model_len: dict[str, int] = {}
+        self.gate = TenantGate(self.config)
+        if self.gate.keys.open:
+            logger.warning("no tenants configured: the endpoint is open (no API key needed)")
 
     # -- routes ---------------------------------------------------------------------------------
     @app.get("/health")
@@ -115,25 +120,26 @@ class OpenAIRouter:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def list_models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [await self._model_card(m) for m in self.streams]}
+    async def list_models(self, request: Request) -> dict[str, Any]:
+        tenant = self.gate.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": [await self._model_card(m) for m in self.streams
+                                           if tenant.may_use(m)]}
 
     @app.get("/v1/models/{model:path}")
-    async def get_model(self, model: str) -> dict[str, Any]:
+    async def get_model(self, model: str, request: Request) -> dict[str, Any]:
+        tenant = self.gate.authenticate(request.headers.get("authorization"))
+        if not tenant.may_use(model):
+            model = "\0"  # answered exactly like a model that does not exist
         self._stream_handle(model)
         return await self._model_card(model)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        body = await read_json_body(request, self.settings.max_body_bytes)
-        req = parse_request(CompletionRequest, body)
-        return await self._serve(request, req, "completion", f"cmpl-{uuid.uuid4().hex}")
+        return await self._handle(request, CompletionRequest, "completion", "cmpl-")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        body = await read_json_body(request, self.settings.max_body_bytes)
-        req = parse_request(ChatCompletionRequest, body)
-        return await self._serve(request, req, "chat", f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._handle(request, ChatCompletionRequest, "chat", "chatcmpl-")
 
     # -- internals ------------------------------------------------------------------------------
     async def _model_card(self, name: str) -> dict[str, Any]:
@@ -157,13 +163,49 @@ class OpenAIRouter:
                               f"{', '.join(self.streams)}", param="model", code="model_not_found")
         return handle
 
+    async def _handle(self, http_request: Request,
+                      model_cls: type[CompletionRequest] | type[ChatCompletionRequest],
+                      kind: Kind, id_prefix: str) -> Response:
+        """Authenticate, parse and serve one generation request; account it to its tenant
+        (status, tokens, token quota) once it ends. Streams account when the stream ends."""
+        tenant = self.gate.authenticate(http_request.headers.get("authorization"))
+        label, status, builder, streaming = "", 500, None, False
+        try:
+            body = await read_json_body(http_request, self.settings.max_body_bytes)
+            req = parse_request(model_cls, body)
+            # Only served names become metric labels: client strings must not grow the series.
+            label = req.model if req.model in self.streams else "unknown"
+            request_id = f"{id_prefix}{uuid.uuid4().hex}"
+            builder = ResponseBuilder(kind, request_id, req.model, req.n)
+            response = await self._serve(http_request, req, builder, tenant)
+            status, streaming = response.status_code, isinstance(response, StreamingResponse)
+            return response
+        except OpenAIError as err:
+            status = err.status_code
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            if not streaming:
+                self.gate.finish(tenant, label, status, *self._tokens(builder))
+
+    @staticmethod
+    def _tokens(builder: ResponseBuilder | None) -> tuple[int, int]:
+        if builder is None:
+            return 0, 0
+        return builder.prompt_tokens, builder.completion_tokens
+
     async def _serve(self, http_request: Request, req: CompletionRequest | ChatCompletionRequest,
-                     kind: Kind, request_id: str) -> Response:
+                     builder: ResponseBuilder, tenant: Tenant) -> Response:
         handle = self._stream_handle(req.model)
         if req.n > self.settings.max_n:
             raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
-        gen: DeploymentResponseGenerator = handle.generate.remote(req.to_generation(request_id))
-        builder = ResponseBuilder(kind, request_id, req.model, req.n)
+        self.gate.admit(tenant, req.model, list(self.streams))
+        request_id = builder.request_id
+        generation = req.to_generation(request_id)
+        generation.cache_salt = tenant.cache_salt
+        gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
             first = await self._first_chunk(gen)
         except BaseException:
@@ -172,7 +214,7 @@ class OpenAIRouter:
         headers = {"X-Request-Id": request_id}
         if req.stream:
             return StreamingResponse(
-                self._sse(gen, first, builder, req.include_usage),
+                self._sse(gen, first, builder, req.include_usage, tenant),
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
             )
@@ -221,18 +263,24 @@ class OpenAIRouter:
                               headers={"Retry-After": "1"}) from None
 
     async def _sse(self, gen: DeploymentResponseGenerator, first: GenerationChunk,
-                   builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE bytes for the stream; closing this generator (client gone) aborts the engine."""
+                   builder: ResponseBuilder, include_usage: bool, tenant: Tenant
+                   ) -> AsyncIterator[bytes]:
+        """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
+        The tenant is charged what was generated, however the stream ended."""
+        status = 499  # until the stream completes or fails: the client went away
         try:
             yield builder.events(first)
             if not first.finished:
                 async for chunk in gen:
                     yield builder.events(chunk)
             yield builder.final_events(include_usage)
+            status = 200
         except Exception:
+            status = 503
             logger.exception("stream failed mid-way")
             err = {"error": {"message": "the stream was interrupted by a server fault",
                              "type": "server_error", "param": None, "code": None}}
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
             gen.cancel()
+            self.gate.finish(tenant, builder.model, status, *self._tokens(builder))

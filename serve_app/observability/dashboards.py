@@ -40,7 +40,7 @@ def _quantiles(name: str, by: str = "") -> list[tuple[str, str]]:
 
 
 def serving_dashboard() -> dict[str, Any]:
-    """The serving path: requests, errors, TTFT, tokens/s, engine running/waiting."""
+    """The serving path: requests, errors, TTFT, tokens/s, engine running/waiting, tenants."""
     rate = "[$__rate_interval]"
     panels = [
         _panel(1, "Requests per second by status code",
@@ -83,6 +83,16 @@ def serving_dashboard() -> dict[str, Any]:
                  "{{deployment}}")], "short", 12, 32,
                "Requests each Serve deployment's replicas are processing now (router and "
                "LLMServer), the figure Serve routes and autoscales on."),
+        _panel(11, "Requests per second by tenant and status",
+               [(f"sum by (tenant, status) (rate({metric('ray_serve_app_tenant_requests_total')}"
+                 f"{rate}))", "{{tenant}} {{status}}")], "reqps", 0, 40,
+               "Per tenant: 200 served, 429 over quota (requests or tokens per minute), "
+               "401 bad or missing key (tenant `unauthenticated`), 499 client went away."),
+        _panel(12, "Tokens per second by tenant",
+               [(f"sum by (tenant, kind) (rate({metric('ray_serve_app_tenant_tokens_total')}"
+                 f"{rate}))", "{{tenant}} {{kind}}")], "short", 12, 40,
+               "Prompt and completion tokens each tenant consumed: what its token quota "
+               "counts."),
     ]
     return {
         "uid": "serve-app-serving",

@@ -15,7 +15,7 @@ from typing import Literal
 class Metric:
     name: str
     kind: Literal["counter", "gauge", "histogram"]
-    source: Literal["serve", "vllm"]
+    source: Literal["serve", "vllm", "router"]
     help: str
 
 
@@ -44,8 +44,24 @@ METRICS: dict[str, Metric] = {
         Metric("ray_vllm_num_requests_waiting", "gauge", "vllm",
                "Requests queued inside the engine."),
         Metric("ray_vllm_kv_cache_usage_perc", "gauge", "vllm", "KV-cache blocks in use (0..1)."),
+        Metric("ray_serve_app_tenant_requests_total", "counter", "router",
+               "Requests per tenant, model and HTTP status (429 = over quota, 401 = bad key)."),
+        Metric("ray_serve_app_tenant_tokens_total", "counter", "router",
+               "Prompt and completion tokens per tenant and model (kind = prompt|completion)."),
     ]
 }
+
+# Names the router registers with Ray (``ray.serve.metrics``); Ray's exporter adds the ``ray_``
+# prefix and a counter's ``_total`` suffix, giving the table's names above.
+ROUTER_METRICS = {
+    "tenant_requests": "serve_app_tenant_requests",
+    "tenant_tokens": "serve_app_tenant_tokens",
+}
+
+
+def exported_name(registered: str, kind: str) -> str:
+    """The name Prometheus sees for a metric registered with Ray as ``registered``."""
+    return "ray_" + registered + ("_total" if kind == "counter" else "")
 
 
 def metric(name: str) -> str:

@@ -53,7 +53,7 @@ class KeyRing:
     def __init__(self, tenants: list[TenantSettings]) -> None:
         self._by_digest: dict[str, Tenant] = {}
         for t in tenants:
-            tenant = Tenant(t.name, t.priority, frozenset(t.models) if t.models else None)
+            tenant = Tenant(t.name, t.priority, None if t.models is None else frozenset(t.models))
             for d in t.api_key_sha256:
                 self._by_digest[d] = tenant
         self.open = not tenants

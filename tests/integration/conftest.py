@@ -14,6 +14,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "tiny-llama"
 MODEL = "tiny-llama"
+DEFAULT_TENANT = "team-a"
+# Tenants of the shared stack: the default one the tests act as, a second unlimited one, and
+# tenants whose limits the tenancy tests run into (each test owns its limited tenant).
+TENANTS: dict[str, dict] = {
+    "team-a": {},
+    "team-b": {"priority": "high"},
+    "rpm-limited": {"requests_per_minute": 3},
+    "tpm-limited": {"tokens_per_minute": 120},
+    "no-models": {"models": []},
+}
 
 
 def _free_port() -> int:
@@ -38,9 +48,17 @@ def stack(tiny_model_path):
     from serve_app.app import APP_NAME, build_app, llm_server_name, ray_env
     from serve_app.config import load_config
 
+    from serve_app.config import TenantSettings
+    from serve_app.tenancy.keys import key_digest, new_key
+
     cfg = load_config(REPO / "deployments" / "local-cpu.yaml")
     port = _free_port()
-    cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port})})
+    # Tenants with fresh keys: the suite runs with authentication on, as production does.
+    keys = {name: new_key() for name in TENANTS}
+    tenants = [TenantSettings(name=name, api_key_sha256=[key_digest(keys[name])], **limits)
+               for name, limits in TENANTS.items()]
+    cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port}),
+                                 "tenants": tenants})
     for key, value in ray_env(cfg).items():  # the same data plane as `serve-app run`
         os.environ[key] = value
     # As `serve-app run` starts it: with the dashboard, whose head writes the Prometheus
@@ -52,7 +70,10 @@ def stack(tiny_model_path):
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
-            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200 and httpx.get(
+                    f"{base}/v1/models", timeout=5,
+                    headers={"Authorization": f"Bearer {keys[DEFAULT_TENANT]}"}
+            ).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
@@ -60,14 +81,16 @@ def stack(tiny_model_path):
     else:
         pytest.fail("the app did not become ready in 300 s")
     server = serve.get_deployment_handle(llm_server_name(MODEL), app_name=APP_NAME)
-    yield {"base": base, "server": server, "model": MODEL, "path": tiny_model_path}
+    yield {"base": base, "server": server, "model": MODEL, "path": tiny_model_path,
+           "keys": keys, "key": keys[DEFAULT_TENANT],
+           "headers": {"Authorization": f"Bearer {keys[DEFAULT_TENANT]}"}}
     serve.shutdown()
     ray.shutdown()
 
 
 @pytest.fixture
 def client(stack):
-    with httpx.Client(base_url=stack["base"], timeout=120) as c:
+    with httpx.Client(base_url=stack["base"], timeout=120, headers=stack["headers"]) as c:
         yield c
 
 

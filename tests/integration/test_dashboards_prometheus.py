@@ -98,13 +98,13 @@ class _Traffic:
     """Keeps every kind of request a panel draws flowing: text and chat, JSON and streamed,
     and the client errors the error panel counts (404 unknown model, 400 bad parameter)."""
 
-    def __init__(self, base: str, model: str) -> None:
-        self.base, self.model = base, model
+    def __init__(self, stack: dict) -> None:
+        self.base, self.model, self.headers = stack["base"], stack["model"], stack["headers"]
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        with httpx.Client(base_url=self.base, timeout=60) as c:
+        with httpx.Client(base_url=self.base, timeout=60, headers=self.headers) as c:
             while not self.stop.is_set():
                 c.post("/v1/completions",
                        json={"model": self.model, "prompt": "hello", "max_tokens": 4})
@@ -144,7 +144,7 @@ def test_every_dashboard_query_returns_data(stack, prometheus):
     queries = _dashboard_queries()
     assert len(queries) >= 10
     missing = queries
-    with _Traffic(stack["base"], stack["model"]):
+    with _Traffic(stack):
         deadline = time.time() + 150
         while missing and time.time() < deadline:
             missing = [q for q in missing if not _has_data(_query(prometheus, q[2]))]
@@ -155,7 +155,7 @@ def test_every_dashboard_query_returns_data(stack, prometheus):
 
 def test_per_status_split_matches_the_traffic(stack, prometheus):
     """The status-code split the dashboard draws holds the 200s, 400s and 404s we sent."""
-    with _Traffic(stack["base"], stack["model"]):
+    with _Traffic(stack):
         deadline = time.time() + 90
         codes: set[str] = set()
         while time.time() < deadline:

@@ -26,7 +26,7 @@ def _wait_idle(stack, seconds: float) -> dict[str, int]:
 def test_stream_disconnect_aborts_engine_request(stack, path, body):
     payload = {"model": stack["model"], "max_tokens": 1900, "ignore_eos": True, "stream": True,
                "n": 4, **body}
-    with httpx.Client(base_url=stack["base"], timeout=60) as c:
+    with httpx.Client(base_url=stack["base"], timeout=60, headers=stack["headers"]) as c:
         with c.stream("POST", path, json=payload) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
@@ -50,7 +50,7 @@ def test_non_streaming_disconnect_aborts_engine_request(stack):
     # pass for an abort.
     payload = {"model": stack["model"], "prompt": "x", "max_tokens": 1900, "ignore_eos": True,
                "n": 4}
-    with httpx.Client(base_url=stack["base"], timeout=1.5) as c:
+    with httpx.Client(base_url=stack["base"], timeout=1.5, headers=stack["headers"]) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json=payload)
     load = _wait_idle(stack, 5)

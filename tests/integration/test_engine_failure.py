@@ -56,7 +56,7 @@ def test_engine_death_is_a_503_and_the_replica_recovers(stack):
     first_chunk = threading.Event()
     stream_out: dict = {}
     json_out: dict = {}
-    with httpx.Client(base_url=stack["base"], timeout=120) as client:
+    with httpx.Client(base_url=stack["base"], timeout=120, headers=stack["headers"]) as client:
         stream = threading.Thread(target=_stream_until_end, args=(
             client, {"model": model, "prompt": "hello", "stream": True, **LONG},
             first_chunk, stream_out))

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def oai(stack):
-    return OpenAI(base_url=stack["base"] + "/v1", api_key="unused", max_retries=0)
+    return OpenAI(base_url=stack["base"] + "/v1", api_key=stack["key"], max_retries=0)
 
 
 def test_models_list(oai, stack):

@@ -1,6 +1,7 @@
 """`vllm bench serve`, the tool users already run, works against the endpoint unchanged."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -18,7 +19,9 @@ def test_vllm_bench_serve_has_no_failures(stack, tmp_path, backend, endpoint):
            "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16",
            "--num-prompts", "24", "--max-concurrency", "8", "--ignore-eos",
            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # vllm bench serve sends OPENAI_API_KEY as the bearer key, as users run it.
+    env = {**os.environ, "OPENAI_API_KEY": stack["key"]}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["completed"] == 24

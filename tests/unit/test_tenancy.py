@@ -124,3 +124,17 @@ def test_share_splits_limits_between_router_replicas():
     clock = Clock()
     book = QuotaBook([tenant("a", KEY_A, requests_per_minute=10)], share=0.5, clock=clock)
     assert sum(book.admit("a").admitted for _ in range(10)) == 5
+
+
+def test_cli_prints_a_key_and_a_config_entry_with_its_digest(capsys):
+    import yaml
+
+    from serve_app.cli import main
+
+    assert main(["keys", "new", "team-x"]) == 0
+    out = capsys.readouterr().out
+    key = next(line.strip() for line in out.splitlines() if line.strip().startswith("sk-sa-"))
+    entry = yaml.safe_load(out.split("deployment YAML:\n", 1)[1])["tenants"][0]
+    assert entry["name"] == "team-x" and entry["api_key_sha256"] == [key_digest(key)]
+    TenantSettings.model_validate(entry)  # pastes into a config as is
+    assert KeyRing([TenantSettings.model_validate(entry)]).resolve(f"Bearer {key}").name == "team-x"

@@ -1,0 +1,73 @@
+"""The router's tenant gate: who is asking (API key -> tenant), may they use this model, are they
+within their quota; and per-tenant accounting once a request ends (token usage, metrics).
+
+Pure decisions live in :mod:`serve_app.tenancy`; this module turns them into OpenAI errors and
+Ray metrics.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ray.serve.metrics import Counter
+
+from serve_app.config import AppConfig
+from serve_app.ingress.errors import OpenAIError
+from serve_app.observability.metrics import METRICS, ROUTER_METRICS, exported_name
+from serve_app.tenancy.keys import KeyRing, Tenant
+from serve_app.tenancy.quota import QuotaBook
+
+
+def _counter(key: str, tags: tuple[str, ...]) -> Counter:
+    name = ROUTER_METRICS[key]
+    assert exported_name(name, "counter") in METRICS, name  # one table for every metric name
+    return Counter(name, description=METRICS[exported_name(name, "counter")].help,
+                   tag_keys=tags)
+
+
+class TenantGate:
+    """Authentication, model access and quotas for one router replica."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self.keys = KeyRing(config.tenants)
+        self.quotas = QuotaBook(config.tenants, share=1 / config.router.num_replicas)
+        self._requests = _counter("tenant_requests", ("tenant", "model", "status"))
+        self._tokens = _counter("tenant_tokens", ("tenant", "model", "kind"))
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of an ``Authorization`` header, or a 401 (the key is never echoed)."""
+        tenant = self.keys.resolve(authorization)
+        if tenant is None:
+            self._requests.inc(tags={"tenant": "unauthenticated", "model": "", "status": "401"})
+            msg = ("Incorrect API key provided." if authorization else
+                   "Missing API key: send `Authorization: Bearer <key>`.")
+            raise OpenAIError(401, msg, code="invalid_api_key")
+        return tenant
+
+    def admit(self, tenant: Tenant, model: str, known_models: list[str]) -> None:
+        """Raise 404 for a model the tenant may not use (as if it did not exist) and 429 with
+        ``Retry-After`` when the tenant is over a quota; otherwise admit the request."""
+        if not tenant.may_use(model):
+            visible = [m for m in known_models if tenant.may_use(m)]
+            raise OpenAIError(404, f"The model `{model}` does not exist. Available models: "
+                              f"{', '.join(visible)}", param="model", code="model_not_found")
+        decision = self.quotas.admit(tenant.name)
+        if not decision.admitted:
+            wait = max(decision.retry_after_s, 0.001)
+            raise OpenAIError(
+                429, decision.message, code="rate_limit_exceeded",
+                headers={"Retry-After": str(math.ceil(wait)),
+                         "retry-after-ms": str(math.ceil(wait * 1000)),
+                         "x-ratelimit-limit-type": decision.limit or ""})
+
+    def finish(self, tenant: Tenant, model: str, status: int, prompt_tokens: int = 0,
+               completion_tokens: int = 0) -> None:
+        """Account one ended request: its status, its tokens and the tenant's token quota."""
+        self._requests.inc(tags={"tenant": tenant.name, "model": model, "status": str(status)})
+        if prompt_tokens:
+            self._tokens.inc(prompt_tokens,
+                             tags={"tenant": tenant.name, "model": model, "kind": "prompt"})
+        if completion_tokens:
+            self._tokens.inc(completion_tokens,
+                             tags={"tenant": tenant.name, "model": model, "kind": "completion"})
+        self.quotas.settle(tenant.name, prompt_tokens + completion_tokens)
