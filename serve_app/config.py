@@ -136,6 +136,16 @@ class RouterSettings(_Strict):
         1_000_000, ge=1024, description="Larger request bodies get 413 before being parsed."
     )
     max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
+    max_in_flight_per_model: int | None = Field(
+        None, ge=1, description="Requests of one model the router lets through to its engines "
+        "at once; the rest wait in the router's fair queue (priority bands, then the "
+        "least-served tenant). None: the model's max_ongoing_requests x max_replicas, so the "
+        "router queues only when Serve would have to.",
+    )
+    max_queued_per_band: int = Field(
+        4096, ge=0, description="Requests one priority band may hold waiting per model; "
+        "beyond it new requests of that band get 429.",
+    )
     high_throughput: bool = Field(
         True,
         description="Ray Serve's high-throughput data plane: HAProxy ingress instead of the "

@@ -10,8 +10,10 @@ cancelled and the engine request with it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator, TypeVar
@@ -22,12 +24,14 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, ModelSettings
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
+from serve_app.ingress.admission import AdmissionController, QueueFull, Slot
 from serve_app.ingress.errors import OpenAIError, install_error_handlers
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
 from serve_app.ingress.tenants import TenantGate
+from serve_app.tenancy.fair_queue import service_of
 from serve_app.tenancy.keys import Tenant
 
 logger = logging.getLogger(__name__)
@@ -111,6 +115,13 @@ class OpenAIRouter:
         self.created = int(time.time())
         self._max_model_len: dict[str, int] = {}
         self.gate = TenantGate(self.config)
+        self.admission = {
+            m.name: AdmissionController(self._capacity(m), self.settings.max_queued_per_band,
+                                        functools.partial(self.gate.queue_changed, m.name))
+            for m in self.config.models
+        }
+        for name, controller in self.admission.items():
+            self.gate.queue_changed(name, controller)  # the series exist from the start
         if self.gate.keys.open:
             logger.warning("no tenants configured: the endpoint is open (no API key needed)")
 
@@ -142,6 +153,12 @@ class OpenAIRouter:
         return await self._handle(request, ChatCompletionRequest, "chat", "chatcmpl-")
 
     # -- internals ------------------------------------------------------------------------------
+    def _capacity(self, m: ModelSettings) -> int:
+        """This replica's share of the requests of ``m`` let through to engines at once."""
+        total = self.settings.max_in_flight_per_model or (
+            m.max_ongoing_requests * m.autoscaling.max_replicas)
+        return max(1, math.ceil(total / self.settings.num_replicas))
+
     async def _model_card(self, name: str) -> dict[str, Any]:
         card: dict[str, Any] = {"id": name, "object": "model", "created": self.created,
                                 "owned_by": "serve-app", "root": name}
@@ -170,6 +187,7 @@ class OpenAIRouter:
         (status, tokens, token quota) once it ends. Streams account when the stream ends."""
         tenant = self.gate.authenticate(http_request.headers.get("authorization"))
         label, status, builder, streaming = "", 500, None, False
+        slot = Slot()
         try:
             body = await read_json_body(http_request, self.settings.max_body_bytes)
             req = parse_request(model_cls, body)
@@ -177,7 +195,7 @@ class OpenAIRouter:
             label = req.model if req.model in self.streams else "unknown"
             request_id = f"{id_prefix}{uuid.uuid4().hex}"
             builder = ResponseBuilder(kind, request_id, req.model, req.n)
-            response = await self._serve(http_request, req, builder, tenant)
+            response = await self._serve(http_request, req, builder, tenant, slot)
             status, streaming = response.status_code, isinstance(response, StreamingResponse)
             return response
         except OpenAIError as err:
@@ -188,7 +206,14 @@ class OpenAIRouter:
             raise
         finally:
             if not streaming:
-                self.gate.finish(tenant, label, status, *self._tokens(builder))
+                self._end(tenant, label, status, builder, slot)
+
+    def _end(self, tenant: Tenant, label: str, status: int, builder: ResponseBuilder | None,
+             slot: Slot) -> None:
+        """Account an ended request to its tenant and free its admission slot."""
+        tokens = self._tokens(builder)
+        self.gate.finish(tenant, label, status, *tokens)
+        slot.release(service_of(*tokens))
 
     @staticmethod
     def _tokens(builder: ResponseBuilder | None) -> tuple[int, int]:
@@ -197,11 +222,17 @@ class OpenAIRouter:
         return builder.prompt_tokens, builder.completion_tokens
 
     async def _serve(self, http_request: Request, req: CompletionRequest | ChatCompletionRequest,
-                     builder: ResponseBuilder, tenant: Tenant) -> Response:
+                     builder: ResponseBuilder, tenant: Tenant, slot: Slot) -> Response:
         handle = self._stream_handle(req.model)
         if req.n > self.settings.max_n:
             raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
         self.gate.admit(tenant, req.model, list(self.streams))
+        try:
+            await slot.acquire(self.admission[req.model], tenant.name, tenant.priority)
+        except QueueFull:
+            raise OpenAIError(429, f"{req.model} is at capacity and the {tenant.priority}-"
+                              "priority queue is full; retry shortly", code="queue_full",
+                              headers={"Retry-After": "1"}) from None
         request_id = builder.request_id
         generation = req.to_generation(request_id)
         generation.cache_salt = tenant.cache_salt
@@ -214,7 +245,7 @@ class OpenAIRouter:
         headers = {"X-Request-Id": request_id}
         if req.stream:
             return StreamingResponse(
-                self._sse(gen, first, builder, req.include_usage, tenant),
+                self._sse(gen, first, builder, req.include_usage, tenant, slot),
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
             )
@@ -263,8 +294,8 @@ class OpenAIRouter:
                               headers={"Retry-After": "1"}) from None
 
     async def _sse(self, gen: DeploymentResponseGenerator, first: GenerationChunk,
-                   builder: ResponseBuilder, include_usage: bool, tenant: Tenant
-                   ) -> AsyncIterator[bytes]:
+                   builder: ResponseBuilder, include_usage: bool, tenant: Tenant,
+                   slot: Slot) -> AsyncIterator[bytes]:
         """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
         The tenant is charged what was generated, however the stream ended."""
         status = 499  # until the stream completes or fails: the client went away
@@ -283,4 +314,4 @@ class OpenAIRouter:
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
             gen.cancel()
-            self.gate.finish(tenant, builder.model, status, *self._tokens(builder))
+            self._end(tenant, builder.model, status, builder, slot)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 
-from ray.serve.metrics import Counter
+from ray.serve.metrics import Counter, Gauge
 
 from serve_app.config import AppConfig
+from serve_app.ingress.admission import AdmissionController
 from serve_app.ingress.errors import OpenAIError
 from serve_app.observability.metrics import METRICS, ROUTER_METRICS, exported_name
+from serve_app.tenancy.fair_queue import BANDS
 from serve_app.tenancy.keys import KeyRing, Tenant
 from serve_app.tenancy.quota import QuotaBook
 
@@ -25,6 +27,12 @@ def _counter(key: str, tags: tuple[str, ...]) -> Counter:
                    tag_keys=tags)
 
 
+def _gauge(key: str, tags: tuple[str, ...]) -> Gauge:
+    name = ROUTER_METRICS[key]
+    assert exported_name(name, "gauge") in METRICS, name
+    return Gauge(name, description=METRICS[exported_name(name, "gauge")].help, tag_keys=tags)
+
+
 class TenantGate:
     """Authentication, model access and quotas for one router replica."""
 
@@ -33,6 +41,12 @@ class TenantGate:
         self.quotas = QuotaBook(config.tenants, share=1 / config.router.num_replicas)
         self._requests = _counter("tenant_requests", ("tenant", "model", "status"))
         self._tokens = _counter("tenant_tokens", ("tenant", "model", "kind"))
+        self._queued = _gauge("router_queued", ("model", "priority"))
+
+    def queue_changed(self, model: str, admission: AdmissionController) -> None:
+        """Publish ``model``'s router queue depth per priority band."""
+        for band in BANDS:
+            self._queued.set(admission.queued(band), tags={"model": model, "priority": band})
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an ``Authorization`` header, or a 401 (the key is never echoed)."""

@@ -93,6 +93,13 @@ def serving_dashboard() -> dict[str, Any]:
                  f"{rate}))", "{{tenant}} {{kind}}")], "short", 12, 40,
                "Prompt and completion tokens each tenant consumed: what its token quota "
                "counts."),
+        _panel(13, "Requests queued in the router by priority",
+               [(f"sum by (model, priority) "
+                 f"({metric('ray_serve_app_router_queued_requests')})",
+                 "{{model}} {{priority}}")], "short", 0, 48,
+               "Requests held in the router's fair queue because the model's engines are at "
+               "their in-flight cap (router.max_in_flight_per_model); the queue depth to "
+               "scale on."),
     ]
     return {
         "uid": "serve-app-serving",

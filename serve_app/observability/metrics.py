@@ -48,6 +48,8 @@ METRICS: dict[str, Metric] = {
                "Requests per tenant, model and HTTP status (429 = over quota, 401 = bad key)."),
         Metric("ray_serve_app_tenant_tokens_total", "counter", "router",
                "Prompt and completion tokens per tenant and model (kind = prompt|completion)."),
+        Metric("ray_serve_app_router_queued_requests", "gauge", "router",
+               "Requests waiting in a router replica's fair queue, by model and priority band."),
     ]
 }
 
@@ -56,6 +58,7 @@ METRICS: dict[str, Metric] = {
 ROUTER_METRICS = {
     "tenant_requests": "serve_app_tenant_requests",
     "tenant_tokens": "serve_app_tenant_tokens",
+    "router_queued": "serve_app_router_queued_requests",
 }
 
 

@@ -15,11 +15,13 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "tiny-llama"
 MODEL = "tiny-llama"
 DEFAULT_TENANT = "team-a"
+IN_FLIGHT = 4  # router.max_in_flight_per_model of the shared stack
 # Tenants of the shared stack: the default one the tests act as, a second unlimited one, and
 # tenants whose limits the tenancy tests run into (each test owns its limited tenant).
 TENANTS: dict[str, dict] = {
     "team-a": {},
     "team-b": {"priority": "high"},
+    "team-c": {},
     "rpm-limited": {"requests_per_minute": 3},
     "tpm-limited": {"tokens_per_minute": 120},
     "no-models": {"models": []},
@@ -57,8 +59,9 @@ def stack(tiny_model_path):
     keys = {name: new_key() for name in TENANTS}
     tenants = [TenantSettings(name=name, api_key_sha256=[key_digest(keys[name])], **limits)
                for name, limits in TENANTS.items()]
-    cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port}),
-                                 "tenants": tenants})
+    # A small in-flight cap so the router's fair queue is exercised by the whole suite.
+    router = cfg.router.model_copy(update={"port": port, "max_in_flight_per_model": IN_FLIGHT})
+    cfg = cfg.model_copy(update={"router": router, "tenants": tenants})
     for key, value in ray_env(cfg).items():  # the same data plane as `serve-app run`
         os.environ[key] = value
     # As `serve-app run` starts it: with the dashboard, whose head writes the Prometheus

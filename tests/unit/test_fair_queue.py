@@ -1,0 +1,130 @@
+"""Fair queue and admission control (pure logic; asyncio for the controller)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.ingress.admission import AdmissionController, QueueFull
+from serve_app.tenancy.fair_queue import FairQueue, service_of
+
+
+def test_service_weights_output_twice():
+    assert service_of(100, 50) == 200
+
+
+def test_higher_band_always_first():
+    q: FairQueue[str] = FairQueue()
+    q.push("low1", "a", "low")
+    q.push("n1", "a", "normal")
+    q.push("h1", "b", "high")
+    assert [q.pop(), q.pop(), q.pop(), q.pop()] == ["h1", "n1", "low1", None]
+
+
+def test_equal_tenants_alternate_and_keep_their_own_order():
+    q: FairQueue[str] = FairQueue()
+    for i in range(3):
+        q.push(f"a{i}", "a")
+    for i in range(3):
+        q.push(f"b{i}", "b")
+    assert [q.pop() for _ in range(6)] == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_least_served_tenant_goes_first():
+    q: FairQueue[str] = FairQueue()
+    q.charge("heavy", 1000)
+    for i in range(3):
+        q.push(f"h{i}", "heavy")
+    q.push("l0", "light")  # lifted to heavy's 1000 on arrival: no banked credit, but a turn
+    q.push("l1", "light")
+    order = [q.pop() for _ in range(5)]
+    assert order.index("l0") <= 1 and order.index("l1") <= 3
+    assert order.index("h0") < order.index("h1") < order.index("h2")
+
+
+def test_idle_tenant_banks_no_credit():
+    q: FairQueue[str] = FairQueue()
+    q.charge("busy", 10_000)
+    q.push("b0", "busy")
+    q.push("i0", "idle")
+    assert q.service("idle") == 10_000  # lifted to the backlogged floor
+    q.charge("busy", 10)
+    q.push("i1", "idle")
+    # idle (10_000) now goes before busy (10_010), but only by its real service
+    assert q.pop() == "i0"
+
+
+def test_remove_waiting_item():
+    q: FairQueue[str] = FairQueue()
+    q.push("x", "a")
+    q.push("y", "a")
+    assert q.remove("x") and not q.remove("x")
+    assert q.pop() == "y" and len(q) == 0
+
+
+def test_admission_passes_straight_through_below_capacity():
+    async def main():
+        ac = AdmissionController(capacity=2, max_queued=10)
+        await ac.acquire("a", "normal")
+        await ac.acquire("a", "normal")
+        assert ac.in_flight == 2 and ac.queued() == 0
+    asyncio.run(main())
+
+
+def test_admission_queues_fairly_and_releases_in_order():
+    async def main():
+        ac = AdmissionController(capacity=1, max_queued=10)
+        await ac.acquire("a", "normal")  # a holds the slot
+        order: list[str] = []
+
+        async def req(name: str, tenant: str, band: str = "normal"):
+            await ac.acquire(tenant, band)
+            order.append(name)
+
+        tasks = [asyncio.create_task(req(f"a{i}", "a")) for i in range(3)]
+        tasks.append(asyncio.create_task(req("b0", "b")))
+        tasks.append(asyncio.create_task(req("h0", "c", "high")))
+        await asyncio.sleep(0)
+        assert ac.queued() == 5
+        for _ in range(5):
+            ac.release(order[-1][0] if order else "a", 10)
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        assert order[0] == "h0"          # high band first
+        assert order.index("b0") <= 2     # b is not stuck behind a's backlog
+        assert ac.in_flight == 1
+    asyncio.run(main())
+
+
+def test_queue_bound_per_band():
+    async def main():
+        ac = AdmissionController(capacity=1, max_queued=1)
+        await ac.acquire("a", "normal")
+        t = asyncio.create_task(ac.acquire("a", "normal"))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull):
+            await ac.acquire("b", "normal")
+        h = asyncio.create_task(ac.acquire("h", "high"))  # each band has its own bound
+        await asyncio.sleep(0)
+        assert ac.queued("high") == 1 and ac.queued("normal") == 1
+        for task in (t, h):
+            task.cancel()
+        await asyncio.gather(t, h, return_exceptions=True)
+        assert ac.queued() == 0
+    asyncio.run(main())
+
+
+def test_cancelled_waiter_leaves_no_trace():
+    async def main():
+        ac = AdmissionController(capacity=1, max_queued=10)
+        await ac.acquire("a", "normal")
+        t = asyncio.create_task(ac.acquire("b", "normal"))
+        await asyncio.sleep(0)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert ac.queued() == 0
+        ac.release("a", 0)
+        assert ac.in_flight == 0
+    asyncio.run(main())
