@@ -57,11 +57,12 @@ class KeyRing:
             for d in t.api_key_sha256:
                 self._by_digest[d] = tenant
         self.open = not tenants
+        self._anonymous = Tenant(ANONYMOUS)
 
     def resolve(self, authorization: str | None) -> Tenant | None:
         """The tenant a ``Bearer`` key belongs to; None when the key is missing or unknown."""
         if self.open:
-            return Tenant(ANONYMOUS)
+            return self._anonymous
         if not authorization:
             return None
         scheme, _, key = authorization.partition(" ")
