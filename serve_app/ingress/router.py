@@ -16,7 +16,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -80,6 +80,26 @@ def parse_request(model_cls: type[RequestT], data: Any) -> RequestT:
         elif len([e for e in errors if e["loc"][:1] == first["loc"][:1]]) > 1:
             msg = "has the wrong type or shape; see the OpenAI API reference for this field"
         raise OpenAIError(400, f"{param}: {msg}" if param else msg, param=param) from None
+
+
+class GuardedStreamingResponse(StreamingResponse):
+    """A StreamingResponse that calls ``on_abandon`` when it is done sending, however that went.
+
+    A client that leaves before the first byte can make Starlette cancel the response before
+    it ever starts the body generator; a generator that never started never runs its
+    ``finally``, which would leave the engine generating and the admission slot held.
+    ``on_abandon`` must be idempotent (the generator's own cleanup usually ran already)."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_abandon: Callable[[], None],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_abandon = on_abandon
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_abandon()
 
 
 def _engine_error(exc: BaseException) -> EngineRequestError | None:
@@ -244,8 +264,19 @@ class OpenAIRouter:
             raise
         headers = {"X-Request-Id": request_id}
         if req.stream:
-            return StreamingResponse(
-                self._sse(gen, first, builder, req.include_usage, tenant, slot),
+            ended = False
+
+            def end(status: int) -> None:
+                """Once per stream, however it ends: stop the engine work, account it."""
+                nonlocal ended
+                if not ended:
+                    ended = True
+                    gen.cancel()
+                    self._end(tenant, req.model, status, builder, slot)
+
+            return GuardedStreamingResponse(
+                self._sse(gen, first, builder, req.include_usage, end),
+                on_abandon=lambda: end(499),
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
             )
@@ -294,8 +325,8 @@ class OpenAIRouter:
                               headers={"Retry-After": "1"}) from None
 
     async def _sse(self, gen: DeploymentResponseGenerator, first: GenerationChunk,
-                   builder: ResponseBuilder, include_usage: bool, tenant: Tenant,
-                   slot: Slot) -> AsyncIterator[bytes]:
+                   builder: ResponseBuilder, include_usage: bool,
+                   end: Callable[[int], None]) -> AsyncIterator[bytes]:
         """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
         The tenant is charged what was generated, however the stream ended."""
         status = 499  # until the stream completes or fails: the client went away
@@ -313,5 +344,4 @@ class OpenAIRouter:
                              "type": "server_error", "param": None, "code": None}}
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
-            gen.cancel()
-            self._end(tenant, builder.model, status, builder, slot)
+            end(status)
