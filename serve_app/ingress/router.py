@@ -140,8 +140,9 @@ class OpenAIRouter:
                                         functools.partial(self.gate.queue_changed, m.name))
             for m in self.config.models
         }
-        for name, controller in self.admission.items():
-            self.gate.queue_changed(name, controller)  # the series exist from the start
+        # Queue-depth gauges set in the constructor never reach Prometheus (measured: the
+        # series stayed absent); they are published on the first request instead.
+        self._queue_gauges_live = False
         if self.gate.keys.open:
             logger.warning("no tenants configured: the endpoint is open (no API key needed)")
 
@@ -205,6 +206,11 @@ class OpenAIRouter:
                       kind: Kind, id_prefix: str) -> Response:
         """Authenticate, parse and serve one generation request; account it to its tenant
         (status, tokens, token quota) once it ends. Streams account when the stream ends."""
+        arrived = time.monotonic()
+        if not self._queue_gauges_live:
+            self._queue_gauges_live = True
+            for name, controller in self.admission.items():
+                self.gate.queue_changed(name, controller)
         tenant = self.gate.authenticate(http_request.headers.get("authorization"))
         label, status, builder, streaming = "", 500, None, False
         slot = Slot()
@@ -215,7 +221,7 @@ class OpenAIRouter:
             label = req.model if req.model in self.streams else "unknown"
             request_id = f"{id_prefix}{uuid.uuid4().hex}"
             builder = ResponseBuilder(kind, request_id, req.model, req.n)
-            response = await self._serve(http_request, req, builder, tenant, slot)
+            response = await self._serve(http_request, req, builder, tenant, slot, arrived)
             status, streaming = response.status_code, isinstance(response, StreamingResponse)
             return response
         except OpenAIError as err:
@@ -242,7 +248,8 @@ class OpenAIRouter:
         return builder.prompt_tokens, builder.completion_tokens
 
     async def _serve(self, http_request: Request, req: CompletionRequest | ChatCompletionRequest,
-                     builder: ResponseBuilder, tenant: Tenant, slot: Slot) -> Response:
+                     builder: ResponseBuilder, tenant: Tenant, slot: Slot, arrived: float
+                     ) -> Response:
         handle = self._stream_handle(req.model)
         if req.n > self.settings.max_n:
             raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
@@ -253,6 +260,7 @@ class OpenAIRouter:
             raise OpenAIError(429, f"{req.model} is at capacity and the {tenant.priority}-"
                               "priority queue is full; retry shortly", code="queue_full",
                               headers={"Retry-After": "1"}) from None
+        self.gate.admitted(tenant, req.model, time.monotonic() - arrived)
         request_id = builder.request_id
         generation = req.to_generation(request_id)
         generation.cache_salt = tenant.cache_salt
@@ -262,6 +270,7 @@ class OpenAIRouter:
         except BaseException:
             gen.cancel()
             raise
+        self.gate.first_token(tenant, req.model, time.monotonic() - arrived)
         headers = {"X-Request-Id": request_id}
         if req.stream:
             ended = False

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import math
 
-from ray.serve.metrics import Counter, Gauge
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 from serve_app.config import AppConfig
 from serve_app.ingress.admission import AdmissionController
 from serve_app.ingress.errors import OpenAIError
-from serve_app.observability.metrics import METRICS, ROUTER_METRICS, exported_name
+from serve_app.observability.metrics import (
+    LATENCY_BUCKETS_S,
+    METRICS,
+    ROUTER_METRICS,
+    exported_name,
+)
 from serve_app.tenancy.fair_queue import BANDS
 from serve_app.tenancy.keys import KeyRing, Tenant
 from serve_app.tenancy.quota import QuotaBook
@@ -33,6 +38,13 @@ def _gauge(key: str, tags: tuple[str, ...]) -> Gauge:
     return Gauge(name, description=METRICS[exported_name(name, "gauge")].help, tag_keys=tags)
 
 
+def _histogram(key: str, tags: tuple[str, ...]) -> Histogram:
+    name = ROUTER_METRICS[key]
+    assert exported_name(name, "histogram") in METRICS, name
+    return Histogram(name, description=METRICS[exported_name(name, "histogram")].help,
+                     boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
+
+
 class TenantGate:
     """Authentication, model access and quotas for one router replica."""
 
@@ -42,6 +54,15 @@ class TenantGate:
         self._requests = _counter("tenant_requests", ("tenant", "model", "status"))
         self._tokens = _counter("tenant_tokens", ("tenant", "model", "kind"))
         self._queued = _gauge("router_queued", ("model", "priority"))
+        self._ttft = _histogram("tenant_ttft", ("tenant", "model"))
+        self._queue_wait = _histogram("tenant_queue_wait", ("tenant", "model"))
+
+    def admitted(self, tenant: Tenant, model: str, waited_s: float) -> None:
+        """A request left the router's queue (or passed straight through) after ``waited_s``."""
+        self._queue_wait.observe(waited_s, tags={"tenant": tenant.name, "model": model})
+
+    def first_token(self, tenant: Tenant, model: str, ttft_s: float) -> None:
+        self._ttft.observe(ttft_s, tags={"tenant": tenant.name, "model": model})
 
     def queue_changed(self, model: str, admission: AdmissionController) -> None:
         """Publish ``model``'s router queue depth per priority band."""

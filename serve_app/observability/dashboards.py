@@ -100,6 +100,17 @@ def serving_dashboard() -> dict[str, Any]:
                "Requests held in the router's fair queue because the model's engines are at "
                "their in-flight cap (router.max_in_flight_per_model); the queue depth to "
                "scale on."),
+        _panel(14, "Time to first token by tenant (p90)",
+               [(f"histogram_quantile(0.9, sum by (le, tenant) "
+                 f"(rate({metric('ray_serve_app_tenant_ttft_seconds')}_bucket{rate})))",
+                 "{{tenant}}")], "s", 12, 48,
+               "From arrival at the router to the first token, router queue included: the "
+               "latency each tenant sees. One tenant's flood should not raise the others'."),
+        _panel(15, "Router queue wait by tenant (p90)",
+               [(f"histogram_quantile(0.9, sum by (le, tenant) "
+                 f"(rate({metric('ray_serve_app_tenant_queue_wait_seconds')}_bucket{rate})))",
+                 "{{tenant}}")], "s", 0, 56,
+               "Time requests waited for an engine slot in the router's fair queue."),
     ]
     return {
         "uid": "serve-app-serving",

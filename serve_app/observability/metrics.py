@@ -48,6 +48,11 @@ METRICS: dict[str, Metric] = {
                "Requests per tenant, model and HTTP status (429 = over quota, 401 = bad key)."),
         Metric("ray_serve_app_tenant_tokens_total", "counter", "router",
                "Prompt and completion tokens per tenant and model (kind = prompt|completion)."),
+        Metric("ray_serve_app_tenant_ttft_seconds", "histogram", "router",
+               "Per tenant: request arrival at the router -> first token, router queue "
+               "included (what the tenant experiences)."),
+        Metric("ray_serve_app_tenant_queue_wait_seconds", "histogram", "router",
+               "Per tenant: time a request waited in the router's fair queue."),
         Metric("ray_serve_app_router_queued_requests", "gauge", "router",
                "Requests waiting in a router replica's fair queue, by model and priority band."),
     ]
@@ -59,7 +64,12 @@ ROUTER_METRICS = {
     "tenant_requests": "serve_app_tenant_requests",
     "tenant_tokens": "serve_app_tenant_tokens",
     "router_queued": "serve_app_router_queued_requests",
+    "tenant_ttft": "serve_app_tenant_ttft_seconds",
+    "tenant_queue_wait": "serve_app_tenant_queue_wait_seconds",
 }
+
+# Histogram buckets (seconds) of the router's latency metrics.
+LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
 def exported_name(registered: str, kind: str) -> str:
