@@ -17,14 +17,19 @@ from serve_app.config import DEFAULT_CONFIG, AppConfig, ConfigError, load_config
 from serve_app.models import MODEL_KINDS, write_model
 
 
-def _examples(base_url: str, model: str) -> str:
+def _examples(base_url: str, model: str, keyed: bool = False) -> str:
+    """What to paste; with tenants configured the examples carry a key placeholder."""
+    key = "$API_KEY" if keyed else "none"
+    auth = " -H \"Authorization: Bearer $API_KEY\"" if keyed else ""
+    note = ("\n  (tenants are configured: set API_KEY to a tenant's key, see `serve-app keys`)\n"
+            if keyed else "")
     return f"""
 Serving {model} at {base_url}
-
-  curl {base_url}/chat/completions -H 'Content-Type: application/json' \\
+{note}
+  curl {base_url}/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base_url}', api_key='none'); \\
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base_url}', api_key='{key}'); \\
 print(c.completions.create(model='{model}', prompt='Hello', max_tokens=32).choices[0].text)"
 
 Press Ctrl-C to stop.
@@ -81,7 +86,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": cfg.router.host, "port": cfg.router.port})
         serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
         host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::") else cfg.router.host
-        print(_examples(f"http://{host}:{cfg.router.port}/v1", cfg.models[0].name), flush=True)
+        print(_examples(f"http://{host}:{cfg.router.port}/v1", cfg.models[0].name,
+                        keyed=bool(cfg.tenants)), flush=True)
         while not stop["now"]:
             time.sleep(0.5)
     finally:

@@ -142,6 +142,10 @@ class RouterSettings(_Strict):
         "least-served tenant). None: the model's max_ongoing_requests x max_replicas, so the "
         "router queues only when Serve would have to.",
     )
+    queue_policy: Literal["fair", "fifo"] = Field(
+        "fair", description="Order of requests waiting in the router: `fair` (priority bands, "
+        "then the least-served tenant) or `fifo` (arrival order; the baseline to compare with).",
+    )
     max_queued_per_band: int = Field(
         4096, ge=0, description="Requests one priority band may hold waiting per model; "
         "beyond it new requests of that band get 429.",

@@ -95,7 +95,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                    "series": service_over_time(records, t0, args.service_bin_s)}
     result: dict[str, Any] = {
         "label": args.label,
-        "command": "serve-app bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "command": "serve-app bench " + " ".join(shlex.quote(a) for a in redact_keys(sys.argv[2:])),
         "target": f"{target.base_url}{target.endpoint} model={target.model}",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "workload": f"input {args.input_len} tokens, output {args.output_len} tokens "
@@ -107,6 +107,24 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.static_vs_continuous:
         result["static_vs_continuous"] = await _batching(args, target, tenants, in_len, vocab)
     return result
+
+
+def redact_keys(argv: list[str]) -> list[str]:
+    """``argv`` with the API keys of ``--tenant name:key:share`` replaced by ``***`` (results
+    files are shared; keys must not be in them)."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        prev = argv[i - 1] if i else ""
+        if a.startswith("--tenant="):
+            name, _, rest = a[len("--tenant="):].partition(":")
+            key, _, share = rest.rpartition(":")
+            a = f"--tenant={name}:{'***' if key else ''}:{share}"
+        elif prev == "--tenant" and a.count(":") >= 2:
+            name, _, rest = a.partition(":")
+            key, _, share = rest.rpartition(":")
+            a = f"{name}:{'***' if key else ''}:{share}"
+        out.append(a)
+    return out
 
 
 async def _batching(args: argparse.Namespace, target: Target, tenants: list[Any],

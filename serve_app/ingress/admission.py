@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from serve_app.config import Priority
-from serve_app.tenancy.fair_queue import BANDS, FairQueue
+from serve_app.tenancy.fair_queue import BANDS, QUEUE_POLICIES, FairQueue
 
 
 class QueueFull(Exception):
@@ -30,14 +30,16 @@ class AdmissionController:
     """In-flight cap and fair queue of one model in one router replica."""
 
     def __init__(self, capacity: int, max_queued: int,
-                 on_change: Callable[[AdmissionController], None] | None = None) -> None:
-        """``on_change`` is called whenever the queue grows or shrinks (metrics)."""
+                 on_change: Callable[[AdmissionController], None] | None = None,
+                 policy: str = "fair") -> None:
+        """``on_change`` is called whenever the queue grows or shrinks (metrics); ``policy``
+        names the queue order (:data:`~serve_app.tenancy.fair_queue.QUEUE_POLICIES`)."""
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
         self.max_queued = max_queued
         self.in_flight = 0
-        self.queue: FairQueue[_Waiter] = FairQueue()
+        self.queue: FairQueue[_Waiter] = QUEUE_POLICIES[policy]()
         self._on_change = on_change or (lambda _: None)
 
     def queued(self, band: Priority | None = None) -> int:

@@ -137,7 +137,8 @@ class OpenAIRouter:
         self.gate = TenantGate(self.config)
         self.admission = {
             m.name: AdmissionController(self._capacity(m), self.settings.max_queued_per_band,
-                                        functools.partial(self.gate.queue_changed, m.name))
+                                        functools.partial(self.gate.queue_changed, m.name),
+                                        policy=self.settings.queue_policy)
             for m in self.config.models
         }
         # Queue-depth gauges set in the constructor never reach Prometheus (measured: the

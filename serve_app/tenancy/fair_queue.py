@@ -11,8 +11,8 @@ Pure data structure (no asyncio, no Ray); the router's admission controller driv
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Generic, Hashable, TypeVar
+from collections import OrderedDict, deque
+from typing import Generic, Hashable, Literal, TypeVar
 
 from serve_app.config import Priority
 
@@ -92,3 +92,38 @@ class FairQueue(Generic[T]):
     def charge(self, tenant: str, service: float) -> None:
         """Add ``service`` (see :func:`service_of`) to ``tenant``'s virtual service."""
         self._service[tenant] = self._service.get(tenant, 0.0) + service
+
+
+class FifoQueue(Generic[T]):
+    """The baseline: one queue in arrival order, blind to tenants and priorities (what Serve's or
+    vLLM's own queues do). Same interface as :class:`FairQueue`, for comparisons."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[T, Priority] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, item: T) -> bool:
+        return item in self._items
+
+    def waiting(self, band: Priority | None = None) -> int:
+        if band is None:
+            return len(self._items)
+        return sum(1 for b in self._items.values() if b == band)
+
+    def push(self, item: T, tenant: str, band: Priority = "normal") -> None:
+        self._items[item] = band
+
+    def pop(self) -> T | None:
+        return self._items.popitem(last=False)[0] if self._items else None
+
+    def remove(self, item: T) -> bool:
+        return self._items.pop(item, None) is not None
+
+    def charge(self, tenant: str, service: float) -> None:
+        pass
+
+
+QueuePolicy = Literal["fair", "fifo"]
+QUEUE_POLICIES: dict[str, type] = {"fair": FairQueue, "fifo": FifoQueue}

@@ -108,3 +108,13 @@ def test_bad_lengths(bad):
 def test_bad_tenant_spec():
     with pytest.raises(ValueError):
         parse_tenants(["just-a-name"])
+
+
+def test_recorded_command_never_holds_api_keys():
+    from serve_app.bench.runner import redact_keys
+
+    argv = ["--tenant", "a:sk-sa-secret:2", "--tenant=b:sk-sa-other:1", "--tenant", "c::1",
+            "--concurrency", "4"]
+    out = " ".join(redact_keys(argv))
+    assert "secret" not in out and "other" not in out
+    assert "a:***:2" in out and "--tenant=b:***:1" in out and "c::1" in out and "4" in out

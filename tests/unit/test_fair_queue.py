@@ -128,3 +128,34 @@ def test_cancelled_waiter_leaves_no_trace():
         ac.release("a", 0)
         assert ac.in_flight == 0
     asyncio.run(main())
+
+
+def test_fifo_policy_is_arrival_order_blind_to_tenants_and_bands():
+    from serve_app.tenancy.fair_queue import FifoQueue
+
+    q: FifoQueue[str] = FifoQueue()
+    q.push("a0", "a")
+    q.push("a1", "a")
+    q.push("h0", "b", "high")
+    assert q.waiting("high") == 1 and q.remove("a1") and not q.remove("a1")
+    assert [q.pop(), q.pop(), q.pop()] == ["a0", "h0", None]
+
+
+def test_admission_controller_takes_the_policy_by_name():
+    async def main():
+        ac = AdmissionController(capacity=1, max_queued=10, policy="fifo")
+        await ac.acquire("a", "normal")
+        order: list[str] = []
+
+        async def req(name, tenant, band="normal"):
+            await ac.acquire(tenant, band)
+            order.append(name)
+
+        tasks = [asyncio.create_task(req("a1", "a")), asyncio.create_task(req("h", "b", "high"))]
+        await asyncio.sleep(0)
+        for _ in range(2):
+            ac.release("a", 1)
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        assert order == ["a1", "h"]  # fifo ignores the band
+    asyncio.run(main())
