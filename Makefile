@@ -9,7 +9,8 @@ MODEL  := models/tiny-llama
 CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install model prometheus observe run test test-unit test-integration bench bench-agreement clean
+.PHONY: install model prometheus observe run test test-unit test-integration bench bench-agreement \
+	bench-fairness clean
 
 install: $(VENV)/.installed
 
@@ -70,6 +71,10 @@ bench: install model
 # `serve-app bench` and `vllm bench serve` on the same endpoint and load.
 bench-agreement: install model
 	bash bench/with_local_stack.sh bash bench/agreement.sh
+
+# The router's fair queue against FIFO: a flooding and a light tenant (bench/RESULTS.md section 4).
+bench-fairness: install model
+	bash bench/fairness.sh
 
 clean:
 	rm -rf $(VENV) models
