@@ -8,6 +8,7 @@ Ray metrics.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -25,24 +26,12 @@ from serve_app.tenancy.keys import KeyRing, Tenant
 from serve_app.tenancy.quota import QuotaBook
 
 
-def _counter(key: str, tags: tuple[str, ...]) -> Counter:
+def _metric(cls: type, key: str, kind: str, tags: tuple[str, ...], **kwargs: object) -> Any:
+    """Register router metric ``key`` with Ray; its name and help come from the metric table."""
     name = ROUTER_METRICS[key]
-    assert exported_name(name, "counter") in METRICS, name  # one table for every metric name
-    return Counter(name, description=METRICS[exported_name(name, "counter")].help,
-                   tag_keys=tags)
-
-
-def _gauge(key: str, tags: tuple[str, ...]) -> Gauge:
-    name = ROUTER_METRICS[key]
-    assert exported_name(name, "gauge") in METRICS, name
-    return Gauge(name, description=METRICS[exported_name(name, "gauge")].help, tag_keys=tags)
-
-
-def _histogram(key: str, tags: tuple[str, ...]) -> Histogram:
-    name = ROUTER_METRICS[key]
-    assert exported_name(name, "histogram") in METRICS, name
-    return Histogram(name, description=METRICS[exported_name(name, "histogram")].help,
-                     boundaries=LATENCY_BUCKETS_S, tag_keys=tags)
+    exported = exported_name(name, kind)
+    assert exported in METRICS, name  # one table for every metric name
+    return cls(name, description=METRICS[exported].help, tag_keys=tags, **kwargs)
 
 
 class TenantGate:
@@ -51,11 +40,14 @@ class TenantGate:
     def __init__(self, config: AppConfig) -> None:
         self.keys = KeyRing(config.tenants)
         self.quotas = QuotaBook(config.tenants, share=1 / config.router.num_replicas)
-        self._requests = _counter("tenant_requests", ("tenant", "model", "status"))
-        self._tokens = _counter("tenant_tokens", ("tenant", "model", "kind"))
-        self._queued = _gauge("router_queued", ("model", "priority"))
-        self._ttft = _histogram("tenant_ttft", ("tenant", "model"))
-        self._queue_wait = _histogram("tenant_queue_wait", ("tenant", "model"))
+        self._requests = _metric(Counter, "tenant_requests", "counter",
+                                 ("tenant", "model", "status"))
+        self._tokens = _metric(Counter, "tenant_tokens", "counter", ("tenant", "model", "kind"))
+        self._queued = _metric(Gauge, "router_queued", "gauge", ("model", "priority"))
+        self._ttft = _metric(Histogram, "tenant_ttft", "histogram", ("tenant", "model"),
+                             boundaries=LATENCY_BUCKETS_S)
+        self._queue_wait = _metric(Histogram, "tenant_queue_wait", "histogram",
+                                   ("tenant", "model"), boundaries=LATENCY_BUCKETS_S)
 
     def admitted(self, tenant: Tenant, model: str, waited_s: float) -> None:
         """A request left the router's queue (or passed straight through) after ``waited_s``."""
