@@ -155,15 +155,13 @@ class OpenAIRouter:
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:
         tenant = self.gate.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": [await self._model_card(m) for m in self.streams
-                                           if tenant.may_use(m)]}
+        return {"object": "list", "data": [await self._model_card(m)
+                                           for m in self._visible(tenant)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(self, model: str, request: Request) -> dict[str, Any]:
         tenant = self.gate.authenticate(request.headers.get("authorization"))
-        if not tenant.may_use(model):
-            model = "\0"  # answered exactly like a model that does not exist
-        self._stream_handle(model)
+        self._stream_handle(model, tenant)
         return await self._model_card(model)
 
     @app.post("/v1/completions")
@@ -195,11 +193,18 @@ class OpenAIRouter:
             card["max_model_len"] = self._max_model_len[name]
         return card
 
-    def _stream_handle(self, model: str) -> DeploymentHandle:
+    def _visible(self, tenant: Tenant) -> list[str]:
+        """The served models ``tenant`` may use; the others do not exist for it."""
+        return [m for m in self.streams if tenant.may_use(m)]
+
+    def _stream_handle(self, model: str, tenant: Tenant) -> DeploymentHandle:
+        """``model``'s handle, or the same 404 whether it is not served or not allowed to
+        ``tenant`` (the message lists only the tenant's own models)."""
         handle = self.streams.get(model)
-        if handle is None:
+        if handle is None or not tenant.may_use(model):
             raise OpenAIError(404, f"The model `{model}` does not exist. Available models: "
-                              f"{', '.join(self.streams)}", param="model", code="model_not_found")
+                              f"{', '.join(self._visible(tenant))}", param="model",
+                              code="model_not_found")
         return handle
 
     async def _handle(self, http_request: Request,
@@ -251,10 +256,10 @@ class OpenAIRouter:
     async def _serve(self, http_request: Request, req: CompletionRequest | ChatCompletionRequest,
                      builder: ResponseBuilder, tenant: Tenant, slot: Slot, arrived: float
                      ) -> Response:
-        handle = self._stream_handle(req.model)
+        handle = self._stream_handle(req.model, tenant)
         if req.n > self.settings.max_n:
             raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
-        self.gate.admit(tenant, req.model, list(self.streams))
+        self.gate.admit(tenant)
         try:
             await slot.acquire(self.admission[req.model], tenant.name, tenant.priority)
         except QueueFull:

@@ -71,13 +71,8 @@ class TenantGate:
             raise OpenAIError(401, msg, code="invalid_api_key")
         return tenant
 
-    def admit(self, tenant: Tenant, model: str, known_models: list[str]) -> None:
-        """Raise 404 for a model the tenant may not use (as if it did not exist) and 429 with
-        ``Retry-After`` when the tenant is over a quota; otherwise admit the request."""
-        if not tenant.may_use(model):
-            visible = [m for m in known_models if tenant.may_use(m)]
-            raise OpenAIError(404, f"The model `{model}` does not exist. Available models: "
-                              f"{', '.join(visible)}", param="model", code="model_not_found")
+    def admit(self, tenant: Tenant) -> None:
+        """Raise 429 with ``Retry-After`` when the tenant is over a quota; else admit."""
         decision = self.quotas.admit(tenant.name)
         if not decision.admitted:
             wait = max(decision.retry_after_s, 0.001)

@@ -24,7 +24,7 @@ from serve_app.config import TenantSettings
 @dataclass(slots=True)
 class TokenBucket:
     """``capacity`` tokens at most, refilled at ``rate`` per second; the level may go negative
-    through :meth:`debit` (usage reported after the fact)."""
+    through :meth:`take` (usage reported after the fact)."""
 
     capacity: float
     rate: float
@@ -46,12 +46,9 @@ class TokenBucket:
         return 0.0 if self.level >= n else (n - self.level) / self.rate
 
     def take(self, n: float, now: float) -> None:
+        """Remove ``n`` tokens; usage charged after the fact may leave the level below zero."""
         self._refill(now)
         self.level -= n
-
-    def debit(self, n: float, now: float) -> None:
-        """Charge usage already spent; may leave the level below zero."""
-        self.take(n, now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,4 +111,4 @@ class QuotaBook:
         """Charge ``tokens`` (prompt + completion) a finished request of ``tenant`` used."""
         tpm = self._tpm.get(tenant)
         if tpm is not None and tokens > 0:
-            tpm.debit(tokens, self.clock())
+            tpm.take(tokens, self.clock())

@@ -80,6 +80,10 @@ def test_model_allow_list_hides_other_models(stack):
     assert r.status_code == 404
     r = _post(stack, key)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # The same answer as for a model that is not served, listing none of the others' models.
+    assert r.json()["error"]["message"].endswith("Available models: ")
+    r = _post(stack, key, model="no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["message"].endswith("Available models: ")
 
 
 def test_every_tenant_sees_the_same_outputs(stack):

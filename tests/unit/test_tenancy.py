@@ -138,3 +138,27 @@ def test_cli_prints_a_key_and_a_config_entry_with_its_digest(capsys):
     assert entry["name"] == "team-x" and entry["api_key_sha256"] == [key_digest(key)]
     TenantSettings.model_validate(entry)  # pastes into a config as is
     assert KeyRing([TenantSettings.model_validate(entry)]).resolve(f"Bearer {key}").name == "team-x"
+
+
+@pytest.mark.parametrize("router, words", [
+    ({"queue_policy": "lifo"}, "router.queue_policy"),
+    ({"max_in_flight_per_model": 0}, "router.max_in_flight_per_model"),
+    ({"max_queued_per_band": -1}, "router.max_queued_per_band"),
+])
+def test_config_rejects_bad_router_queue_settings(router, words):
+    base = {"models": [{"name": "m1", "path": "x", "device": "cpu"}], "router": router}
+    with pytest.raises(ConfigError, match=words):
+        parse_config(base)
+
+
+def test_config_rejects_bad_tenant_fields():
+    d = key_digest(KEY_A)
+    for tenant, words in [({"name": "bad name", "api_key_sha256": [d]}, "tenants.0.name"),
+                          ({"name": "a", "api_key_sha256": [d], "priority": "urgent"},
+                           "tenants.0.priority"),
+                          ({"name": "a", "api_key_sha256": [d], "requests_per_minute": 0},
+                           "tenants.0.requests_per_minute"),
+                          ({"name": "a", "api_key_sha256": []}, "tenants.0.api_key_sha256")]:
+        with pytest.raises(ConfigError, match=words):
+            parse_config({"models": [{"name": "m1", "path": "x", "device": "cpu"}],
+                          "tenants": [tenant]})
