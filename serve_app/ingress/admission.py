@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from serve_app.config import Priority
-from serve_app.tenancy.fair_queue import BANDS, QUEUE_POLICIES, FairQueue
+from serve_app.tenancy.fair_queue import QUEUE_POLICIES, FairQueue
 
 
 class QueueFull(Exception):
@@ -104,4 +104,4 @@ class Slot:
             controller.release(self._tenant, service)
 
 
-__all__ = ["AdmissionController", "QueueFull", "Slot", "BANDS"]
+__all__ = ["AdmissionController", "QueueFull", "Slot"]
