@@ -62,7 +62,19 @@ def llm_server_options(m: ModelSettings) -> dict[str, Any]:
             "min_replicas": a.min_replicas,
             "max_replicas": a.max_replicas,
             "initial_replicas": a.initial_replicas,
-            "target_ongoing_requests": a.target_ongoing_requests,
+            # Serve's routing still reads it; the policy below sizes replicas by queue depth.
+            "target_ongoing_requests": m.target_per_replica,
+            "metrics_interval_s": a.metrics_interval_s,
+            "look_back_period_s": a.look_back_period_s,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "downscale_to_zero_delay_s": a.idle_timeout_s,
+            "policy": {
+                "policy_function": "serve_app.autoscaling:QueueDepthPolicy",
+                "policy_kwargs": {"target_per_replica": m.target_per_replica,
+                                  "downscale_utilization": a.downscale_utilization,
+                                  "model": m.name},
+            },
         }
     if m.engine_env:
         options["ray_actor_options"]["runtime_env"] = {"env_vars": dict(m.engine_env)}

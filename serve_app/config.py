@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_MODEL_NAME = "tiny-llama"
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deployments" / "local-cpu.yaml"
 
 # vLLM options the schema sets itself; passing them through engine_kwargs would silently disagree.
@@ -31,13 +32,40 @@ class _Strict(BaseModel):
 
 
 class AutoscalingSettings(_Strict):
-    """Replica limits of one model's LLMServer deployment (queue-depth policy comes later)."""
+    """Replica count of one model, driven by its queue depth (:mod:`serve_app.autoscaling`).
 
-    min_replicas: int = Field(1, ge=0, description="Replicas kept even when idle.")
+    Demand = requests waiting in the routers' fair queues + requests in the model's engines.
+    Desired replicas = ceil(demand / target_per_replica), within [min_replicas, max_replicas];
+    up at once after ``upscale_delay_s`` of sustained backlog, down one replica at a time after
+    ``downscale_delay_s`` and only once the others could carry the demand with room to spare.
+    With ``min_replicas: 0`` a request to a cold model waits in the fair queue while the first
+    replica starts, and the model returns to zero after ``idle_timeout_s`` without requests.
+    """
+
+    min_replicas: int = Field(1, ge=0, description="Replicas kept even when idle (0: scale "
+                              "to zero after idle_timeout_s).")
     max_replicas: int = Field(1, ge=1, description="Upper bound on replicas of this model.")
     initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time.")
-    target_ongoing_requests: float = Field(
-        64, gt=0, description="Requests in flight per replica the autoscaler aims for."
+    target_per_replica: int | None = Field(
+        None, ge=1, description="Demand (queued + in the engine) one replica is sized for. "
+        "None: the engine's batch limit (engine_kwargs.max_num_seqs, else 256, vLLM's "
+        "default), so a replica scales out once its batch is full and work still waits.",
+    )
+    downscale_utilization: float = Field(
+        0.7, gt=0, le=1, description="Scale down only when one replica fewer would run at most "
+        "this fraction of its target: the hysteresis that stops flapping on a noisy load.",
+    )
+    metrics_interval_s: float = Field(
+        1.0, gt=0, description="How often replicas report their load to the Serve controller.")
+    look_back_period_s: float = Field(
+        3.0, gt=0, description="Window the controller averages those reports over.")
+    upscale_delay_s: float = Field(
+        1.0, ge=0, description="Sustained backlog needed before adding replicas.")
+    downscale_delay_s: float = Field(
+        30.0, ge=0, description="Sustained low demand needed before removing a replica.")
+    idle_timeout_s: float = Field(
+        60.0, ge=0, description="With min_replicas 0: time without demand before the last "
+        "replica goes.",
     )
 
     @model_validator(mode="after")
@@ -51,6 +79,9 @@ class AutoscalingSettings(_Strict):
             self.min_replicas <= self.initial_replicas <= self.max_replicas
         ):
             raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
+        if self.look_back_period_s < self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be at least metrics_interval_s (the "
+                             "window must hold one report); raise look_back_period_s")
         return self
 
 
@@ -122,6 +153,43 @@ class ModelSettings(_Strict):
         """Engine ranks of one replica: tensor x pipeline parallel."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def target_per_replica(self) -> int:
+        """Demand one replica is sized for (see :class:`AutoscalingSettings`)."""
+        return self.autoscaling.target_per_replica or int(
+            self.engine_kwargs.get("max_num_seqs") or VLLM_DEFAULT_MAX_NUM_SEQS)
+
+
+class AdmissionSettings(_Strict):
+    """When the router releases a queued request to a model's engines (serve_app/routing/)."""
+
+    policy: Literal["engine_feedback", "fixed"] = Field(
+        "engine_feedback", description="`engine_feedback`: release requests only while the "
+        "engines start what they are sent (their waiting queues stay within `headroom`), so "
+        "the backlog waits in the router's fair queue and capacity follows the live replicas. "
+        "`fixed`: the model's max_ongoing_requests per live replica (the baseline).",
+    )
+    headroom: int = Field(
+        4, ge=1, description="Requests per replica the router lets wait inside an engine, so "
+        "it always has work to start at its next step.",
+    )
+    kv_cache_high: float = Field(
+        0.95, gt=0, le=1, description="KV-cache use above which an engine gets no more than it "
+        "runs plus `headroom`.",
+    )
+    poll_interval_s: float = Field(
+        0.02, gt=0, description="How often the router reads the engines' load while it has "
+        "requests in flight or queued (a broadcast of one small call to each replica).",
+    )
+    idle_poll_interval_s: float = Field(
+        0.5, gt=0, description="The same when the model is idle (it also reports the router's "
+        "backlog to the autoscaler).",
+    )
+    cold_start_timeout_s: float = Field(
+        600.0, gt=0, description="A request waiting while its model has no live replica gets "
+        "503 with Retry-After after this long (a replica start takes minutes on GPUs).",
+    )
+
 
 class RouterSettings(_Strict):
     """The OpenAI ingress (router) deployment."""
@@ -137,11 +205,11 @@ class RouterSettings(_Strict):
     )
     max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
     max_in_flight_per_model: int | None = Field(
-        None, ge=1, description="Requests of one model the router lets through to its engines "
-        "at once; the rest wait in the router's fair queue (priority bands, then the "
-        "least-served tenant). None: the model's max_ongoing_requests x max_replicas, so the "
-        "router queues only when Serve would have to.",
+        None, ge=1, description="Upper bound on requests of one model in its engines at once, "
+        "over all router replicas (None: no bound beyond `admission`, which follows the "
+        "engines' live load). The rest wait in the router's fair queue.",
     )
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     queue_policy: Literal["fair", "fifo"] = Field(
         "fair", description="Order of requests waiting in the router: `fair` (priority bands, "
         "then the least-served tenant) or `fifo` (arrival order; the baseline to compare with).",

@@ -72,6 +72,9 @@ class GenerationRequest:
     # Prefix-cache isolation: requests share cached prefixes only with the same salt. The router
     # sets it from the tenant (never from the client).
     cache_salt: str | None = None
+    # Order inside the engine's waiting queue (lower first), set by the router from the fair
+    # queue; engines without priority scheduling ignore it.
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -100,10 +103,18 @@ class GenerationChunk:
 
 @dataclass(slots=True)
 class EngineLoad:
-    """Engine occupancy, read by health checks, routing and autoscaling."""
+    """Engine occupancy as of its latest scheduler step, read by admission and autoscaling.
+
+    ``running``: requests the engine has started (decoding or in a chunked prefill).
+    ``waiting``: requests it holds but could not start (token budget, KV cache, max_num_seqs).
+    ``kv_cache_usage``: fraction of KV-cache blocks in use (0..1).
+    ``max_running``: the most requests the engine runs at once (vLLM's ``max_num_seqs``).
+    """
 
     running: int
     waiting: int
+    kv_cache_usage: float = 0.0
+    max_running: int = 0
 
 
 @runtime_checkable

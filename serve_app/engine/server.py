@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from typing import Any, AsyncIterator
 
 from serve_app.config import ModelSettings
 from serve_app.engine.protocol import Engine, GenerationChunk, GenerationRequest
 
 logger = logging.getLogger(__name__)
+
+# A router's backlog report older than this is dropped (that router is gone or scaled away);
+# routers report several times a second while they hold anything.
+BACKLOG_REPORT_TTL_S = 3.0
 
 DEFAULT_ENGINE_CLASS = "serve_app.engine.vllm_adapter:VLLMEngine"
 
@@ -28,33 +33,68 @@ class LLMServer:
     """One replica: loads the engine at construction and streams its output.
 
     Methods are called by Ray Serve through deployment handles: ``generate`` by the router for
-    every request (streaming), ``check_health`` by the Serve controller every few seconds.
+    every request (streaming); ``engine_load`` by every router replica, broadcast to all replicas
+    many times a second (its admission feed); ``check_health`` and ``record_autoscaling_stats``
+    by Serve every few seconds.
     """
 
     async def __init__(self, settings: dict[str, Any], engine_class: str = DEFAULT_ENGINE_CLASS
                        ) -> None:
         self.settings = ModelSettings.model_validate(settings)
         self.engine: Engine = import_engine_class(engine_class)(self.settings)
+        self.active = 0  # generate() calls in progress: tokenizing, in the engine, streaming
+        # router id -> (requests it holds queued for this model, when it said so)
+        self._backlog: dict[str, tuple[int, float]] = {}
+        self.replica_id = _replica_id()
         await self.engine.start()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream the engine's chunks for ``request``; cancellation aborts the engine's work."""
-        async for chunk in self.engine.generate(request):
-            yield chunk
+        self.active += 1
+        try:
+            async for chunk in self.engine.generate(request):
+                yield chunk
+        finally:
+            self.active -= 1
 
     async def model_info(self) -> dict[str, Any]:
         """Facts the router needs about the served model."""
         return {"name": self.settings.name, "max_model_len": self.engine.max_model_len}
 
-    async def engine_load(self) -> dict[str, int]:
-        """Running and waiting requests in the engine, plus those the front end still tracks."""
+    async def engine_load(self, router_id: str | None = None, router_queued: int = 0
+                          ) -> dict[str, Any]:
+        """This replica's load, for the routers' admission and for tests (cheap, no I/O).
+
+        A router calling it (broadcast to every replica) also reports how many requests of this
+        model it holds in its queue: the replicas pass that backlog on to the autoscaler."""
+        if router_id is not None:
+            self._backlog[router_id] = (router_queued, time.monotonic())
         load = self.engine.load()
         unfinished = getattr(self.engine, "unfinished_requests", None)
         return {
+            "replica": self.replica_id,
+            "active": self.active,
             "running": load.running,
             "waiting": load.waiting,
+            "kv_cache_usage": load.kv_cache_usage,
+            "max_running": load.max_running,
             "unfinished": unfinished() if unfinished else load.running + load.waiting,
         }
+
+    def router_backlog(self) -> int:
+        """Requests the routers hold queued for this model, from their fresh reports."""
+        now = time.monotonic()
+        for rid in [r for r, (_, t) in self._backlog.items() if now - t > BACKLOG_REPORT_TTL_S]:
+            del self._backlog[rid]
+        return sum(n for n, _ in self._backlog.values())
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom metrics for :mod:`serve_app.autoscaling` (Serve calls this every
+        ``metrics_interval_s``). ``in_engine``: this replica's own requests; ``router_queued``:
+        the model's backlog in the routers, the same figure on every replica."""
+        load = self.engine.load()
+        return {"in_engine": float(max(self.active, load.running + load.waiting)),
+                "router_queued": float(self.router_backlog())}
 
     async def check_health(self) -> None:
         """Raise when the engine is dead; a busy engine is healthy (no request is issued)."""
@@ -65,3 +105,13 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.shutdown()
+
+
+def _replica_id() -> str:
+    """Serve's id of this replica (a stand-in outside Serve, e.g. in unit tests)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica
+        return f"local-{id(object())}"

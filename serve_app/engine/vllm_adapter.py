@@ -40,6 +40,9 @@ def engine_args_for(settings: ModelSettings) -> dict[str, Any]:
         kwargs["max_model_len"] = settings.max_model_len
     if settings.world_size > 1:
         kwargs["distributed_executor_backend"] = "ray" if settings.device == "gpu" else "mp"
+    # The router orders the few requests it lets wait inside the engine by tenant and band
+    # (GenerationRequest.priority); FCFS there would put a quiet tenant behind a flood again.
+    kwargs["scheduling_policy"] = "priority"
     kwargs.update(settings.engine_kwargs)
     return kwargs
 
@@ -52,6 +55,8 @@ class VLLMEngine:
         self._engine: Any = None
         self._tokenizer: Any = None
         self._max_model_len = 0
+        self._max_running = 0
+        self._priority = False
         self._stats = _SchedulerCounts()
 
     async def start(self) -> None:
@@ -64,6 +69,9 @@ class VLLMEngine:
         tokenizer = self._engine.get_tokenizer()
         self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
         self._max_model_len = int(self._engine.model_config.max_model_len)
+        scheduler = self._engine.vllm_config.scheduler_config
+        self._max_running = int(scheduler.max_num_seqs)
+        self._priority = str(getattr(scheduler.policy, "value", scheduler.policy)) == "priority"
         logger.info("engine for %s ready (max_model_len=%d)", self.settings.name,
                     self._max_model_len)
 
@@ -72,7 +80,9 @@ class VLLMEngine:
         return self._max_model_len
 
     def load(self) -> EngineLoad:
-        return EngineLoad(running=self._stats.running, waiting=self._stats.waiting)
+        s = self._stats
+        return EngineLoad(running=s.running, waiting=s.waiting, kv_cache_usage=s.kv_cache_usage,
+                          max_running=self._max_running)
 
     def unfinished_requests(self) -> int:
         """Requests the engine front end still tracks (drops to 0 once aborts are processed)."""
@@ -155,7 +165,8 @@ class VLLMEngine:
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt  # prefix cache shared within a tenant only
-        stream = self._engine.generate(prompt, params, request.request_id)
+        stream = self._engine.generate(prompt, params, request.request_id,
+                                       priority=request.priority if self._priority else 0)
         try:
             async for out in stream:
                 deltas = [
@@ -182,11 +193,12 @@ class VLLMEngine:
 class _SchedulerCounts:
     """Latest running/waiting counts reported by the engine's scheduler."""
 
-    __slots__ = ("running", "waiting")
+    __slots__ = ("running", "waiting", "kv_cache_usage")
 
     def __init__(self) -> None:
         self.running = 0
         self.waiting = 0
+        self.kv_cache_usage = 0.0
 
 
 def _stat_logger_factory(counts: _SchedulerCounts) -> Any:
@@ -202,6 +214,9 @@ def _stat_logger_factory(counts: _SchedulerCounts) -> Any:
             if scheduler_stats is not None:
                 counts.running = scheduler_stats.num_running_reqs
                 counts.waiting = scheduler_stats.num_waiting_reqs
+                # `gpu_cache_usage` before vLLM renamed it (same meaning on CPU builds).
+                counts.kv_cache_usage = float(getattr(scheduler_stats, "kv_cache_usage", None)
+                                              or getattr(scheduler_stats, "gpu_cache_usage", 0.0))
 
         def log_engine_initialized(self) -> None:
             pass

@@ -2,13 +2,16 @@
 replica; the rest wait in the router, in a :class:`~serve_app.tenancy.fair_queue.FairQueue`.
 
 Holding the queue here rather than in vLLM's waiting queue is what makes priorities and fairness
-real: the engines only ever see requests the router chose to release. Below capacity a request
-passes straight through (no queue, no extra hop): the benchmarks' hot path is unchanged.
+real: the engines only ever see requests the router chose to release. ``capacity`` is not a
+constant: :class:`serve_app.ingress.engine_feed.EngineFeed` sets it from the engines' live load
+many times a second (:mod:`serve_app.routing`), so it follows what the engines start and how many
+replicas exist. Below capacity a request passes straight through (no queue, no extra hop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,14 +23,22 @@ class QueueFull(Exception):
     """The band's queue is at its bound; the caller answers 429."""
 
 
+class NoReplicaInTime(Exception):
+    """The request waited ``cold_start_timeout_s`` while its model had no live replica."""
+
+
 @dataclass(eq=False)
 class _Waiter:
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
                                          .create_future())
+    since: float = field(default_factory=time.monotonic)
 
 
 class AdmissionController:
-    """In-flight cap and fair queue of one model in one router replica."""
+    """In-flight limit and fair queue of one model in one router replica.
+
+    Single-threaded (the router's event loop): ``acquire`` by request handlers, ``release`` when a
+    request ends, ``set_capacity`` and ``expire_waiting`` by the model's engine feed."""
 
     def __init__(self, capacity: int, max_queued: int,
                  on_change: Callable[[AdmissionController], None] | None = None,
@@ -41,35 +52,71 @@ class AdmissionController:
         self.in_flight = 0
         self.queue: FairQueue[_Waiter] = QUEUE_POLICIES[policy]()
         self._on_change = on_change or (lambda _: None)
+        # Set while requests wait for a slot: the engine feed polls at once instead of on its
+        # timer, so capacity catches up with a burst within one engine step.
+        self.blocked = asyncio.Event()
 
     def queued(self, band: Priority | None = None) -> int:
         return self.queue.waiting(band)
 
-    async def acquire(self, tenant: str, band: Priority) -> None:
-        """Return once the request may go to an engine; the caller must :meth:`release` then.
-        Raises :class:`QueueFull` when ``band`` already holds ``max_queued`` waiting requests.
-        Cancellation while waiting (client gone) leaves nothing behind."""
+    async def acquire(self, tenant: str, band: Priority) -> int:
+        """Return once the request may go to an engine, with its engine priority (see
+        :meth:`FairQueue.engine_priority`); the caller must :meth:`release` then.
+        Raises :class:`QueueFull` when ``band`` already holds ``max_queued`` waiting requests,
+        :class:`NoReplicaInTime` from :meth:`expire_waiting`. Cancellation while waiting (client
+        gone) leaves nothing behind."""
         if self.in_flight < self.capacity and not len(self.queue):
             self.in_flight += 1
-            return
+            return self.queue.engine_priority(tenant, band)
         if self.queue.waiting(band) >= self.max_queued:
             raise QueueFull(band)
         waiter = _Waiter()
         self.queue.push(waiter, tenant, band)
+        self.blocked.set()
         self._on_change(self)
         try:
             await waiter.future
         except asyncio.CancelledError:
             if self.queue.remove(waiter):
+                if not len(self.queue):
+                    self.blocked.clear()
                 self._on_change(self)
-            elif waiter.future.done() and not waiter.future.cancelled():
+            elif waiter.future.done() and not waiter.future.cancelled() \
+                    and waiter.future.exception() is None:
                 self.release(tenant, 0)  # admitted as we were cancelled: give the slot back
             raise
+        return self.queue.engine_priority(tenant, band)
 
     def release(self, tenant: str, service: float) -> None:
         """One admitted request ended; charge its tenant and admit the next waiters."""
         self.in_flight -= 1
         self.queue.charge(tenant, service)
+        self._admit()
+
+    def set_capacity(self, capacity: int) -> None:
+        """The engines' live capacity changed (at least 1); admit waiters if it grew."""
+        self.capacity = max(1, capacity)
+        self._admit()
+
+    def expire_waiting(self, older_than_s: float) -> int:
+        """Fail requests that have waited longer than ``older_than_s`` (their model has no live
+        replica); returns how many."""
+        now = time.monotonic()
+        expired = 0
+        while True:
+            waiter = self.queue.pop_where(lambda w: now - w.since > older_than_s)
+            if waiter is None:
+                break
+            if not waiter.future.done():
+                waiter.future.set_exception(NoReplicaInTime())
+                expired += 1
+        if not len(self.queue):
+            self.blocked.clear()
+        if expired:
+            self._on_change(self)
+        return expired
+
+    def _admit(self) -> None:
         admitted = False
         while self.in_flight < self.capacity:
             waiter = self.queue.pop()
@@ -80,6 +127,8 @@ class AdmissionController:
                 continue
             waiter.future.set_result(None)
             self.in_flight += 1
+        if not len(self.queue):
+            self.blocked.clear()
         if admitted:
             self._on_change(self)
 
@@ -88,14 +137,15 @@ class Slot:
     """A request's hold on an admission slot; :meth:`release` is safe to call on every exit
     path (it releases once, and only what was acquired)."""
 
-    __slots__ = ("_controller", "_tenant")
+    __slots__ = ("_controller", "_tenant", "priority")
 
     def __init__(self) -> None:
         self._controller: AdmissionController | None = None
         self._tenant = ""
+        self.priority = 0
 
     async def acquire(self, controller: AdmissionController, tenant: str, band: Priority) -> None:
-        await controller.acquire(tenant, band)
+        self.priority = await controller.acquire(tenant, band)
         self._controller, self._tenant = controller, tenant
 
     def release(self, service: float) -> None:
@@ -104,4 +154,4 @@ class Slot:
             controller.release(self._tenant, service)
 
 
-__all__ = ["AdmissionController", "QueueFull", "Slot"]
+__all__ = ["AdmissionController", "NoReplicaInTime", "QueueFull", "Slot"]

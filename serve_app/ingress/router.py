@@ -26,11 +26,13 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from serve_app.config import AppConfig, ModelSettings
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
-from serve_app.ingress.admission import AdmissionController, QueueFull, Slot
+from serve_app.ingress.admission import AdmissionController, NoReplicaInTime, QueueFull, Slot
+from serve_app.ingress.engine_feed import EngineFeed
 from serve_app.ingress.errors import OpenAIError, install_error_handlers
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
 from serve_app.ingress.tenants import TenantGate
+from serve_app.routing.capacity import COLD_START_PROBE, capacity_policy
 from serve_app.tenancy.fair_queue import service_of
 from serve_app.tenancy.keys import Tenant
 
@@ -135,14 +137,29 @@ class OpenAIRouter:
         self.created = int(time.time())
         self._max_model_len: dict[str, int] = {}
         self.gate = TenantGate(self.config)
+        # Until the first load poll the model may have no replica: one request goes through
+        # (it wakes a model scaled to zero), the rest wait for the feed's first answer.
         self.admission = {
-            m.name: AdmissionController(self._capacity(m), self.settings.max_queued_per_band,
+            m.name: AdmissionController(COLD_START_PROBE, self.settings.max_queued_per_band,
                                         functools.partial(self.gate.queue_changed, m.name),
                                         policy=self.settings.queue_policy)
             for m in self.config.models
         }
+        router_id = _router_id()
+        adm = self.settings.admission
+        self.feeds = {
+            m.name: EngineFeed(
+                m.name, servers[m.name], self.admission[m.name],
+                capacity_policy(adm.policy, headroom=adm.headroom,
+                                kv_cache_high=adm.kv_cache_high,
+                                fixed_per_replica=m.max_ongoing_requests,
+                                upper_bound=self.settings.max_in_flight_per_model),
+                adm, self.settings.num_replicas, router_id, on_poll=self.gate.engines_polled)
+            for m in self.config.models
+        }
         # Queue-depth gauges set in the constructor never reach Prometheus (measured: the
-        # series stayed absent); they are published on the first request instead.
+        # series stayed absent); they are published on the first request instead, and the
+        # engine feeds start then (they need the replica's event loop).
         self._queue_gauges_live = False
         if self.gate.keys.open:
             logger.warning("no tenants configured: the endpoint is open (no API key needed)")
@@ -173,12 +190,6 @@ class OpenAIRouter:
         return await self._handle(request, ChatCompletionRequest, "chat", "chatcmpl-")
 
     # -- internals ------------------------------------------------------------------------------
-    def _capacity(self, m: ModelSettings) -> int:
-        """This replica's share of the requests of ``m`` let through to engines at once."""
-        total = self.settings.max_in_flight_per_model or (
-            m.max_ongoing_requests * m.autoscaling.max_replicas)
-        return max(1, math.ceil(total / self.settings.num_replicas))
-
     async def _model_card(self, name: str) -> dict[str, Any]:
         card: dict[str, Any] = {"id": name, "object": "model", "created": self.created,
                                 "owned_by": "serve-app", "root": name}
@@ -217,6 +228,7 @@ class OpenAIRouter:
             self._queue_gauges_live = True
             for name, controller in self.admission.items():
                 self.gate.queue_changed(name, controller)
+                self.feeds[name].start()
         tenant = self.gate.authenticate(http_request.headers.get("authorization"))
         label, status, builder, streaming = "", 500, None, False
         slot = Slot()
@@ -260,24 +272,30 @@ class OpenAIRouter:
         if req.n > self.settings.max_n:
             raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
         self.gate.admit(tenant)
+        # From here until the response starts, watch the client: one that leaves while its
+        # request is queued or in prefill frees its place and the engine at once.
+        gone = asyncio.ensure_future(_client_gone(http_request))
+        start = asyncio.ensure_future(self._admit_and_start(handle, req, builder, tenant, slot,
+                                                             arrived))
         try:
-            await slot.acquire(self.admission[req.model], tenant.name, tenant.priority)
-        except QueueFull:
-            raise OpenAIError(429, f"{req.model} is at capacity and the {tenant.priority}-"
-                              "priority queue is full; retry shortly", code="queue_full",
-                              headers={"Retry-After": "1"}) from None
-        self.gate.admitted(tenant, req.model, time.monotonic() - arrived)
-        request_id = builder.request_id
-        generation = req.to_generation(request_id)
-        generation.cache_salt = tenant.cache_salt
-        gen: DeploymentResponseGenerator = handle.generate.remote(generation)
-        try:
-            first = await self._first_chunk(gen)
+            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
-            gen.cancel()
+            gone.cancel()
+            start.cancel()
+            raise
+        if not start.done():  # the client left first
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)  # its cleanup has run
+            return Response(status_code=499)
+        if req.stream:
+            gone.cancel()  # Starlette's response watches the client from here on
+        try:
+            gen, first = start.result()
+        except BaseException:
+            gone.cancel()
             raise
         self.gate.first_token(tenant, req.model, time.monotonic() - arrived)
-        headers = {"X-Request-Id": request_id}
+        headers = {"X-Request-Id": builder.request_id}
         if req.stream:
             ended = False
 
@@ -296,7 +314,6 @@ class OpenAIRouter:
                 headers={**headers, "Cache-Control": "no-cache"},
             )
         collect = asyncio.ensure_future(self._collect(gen, first, builder))
-        gone = asyncio.ensure_future(_client_gone(http_request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -311,6 +328,34 @@ class OpenAIRouter:
             raise OpenAIError(503, "the model failed while generating; retry shortly",
                               headers={"Retry-After": "1"})
         return JSONResponse(builder.body(), headers=headers)
+
+    async def _admit_and_start(self, handle: DeploymentHandle,
+                               req: CompletionRequest | ChatCompletionRequest,
+                               builder: ResponseBuilder, tenant: Tenant, slot: Slot,
+                               arrived: float
+                               ) -> tuple[DeploymentResponseGenerator, GenerationChunk]:
+        """Wait for an admission slot, send the request to an engine, await its first chunk."""
+        try:
+            await slot.acquire(self.admission[req.model], tenant.name, tenant.priority)
+        except QueueFull:
+            self.gate.refund(tenant)  # refused: the request costs no quota
+            raise OpenAIError(429, f"{req.model} is at capacity and the {tenant.priority}-"
+                              "priority queue is full; retry shortly", code="queue_full",
+                              headers={"Retry-After": "1"}) from None
+        except NoReplicaInTime:
+            raise OpenAIError(503, f"{req.model} has no replica running yet and none started "
+                              f"within {self.settings.admission.cold_start_timeout_s:g} s; "
+                              "retry shortly", headers={"Retry-After": "5"}) from None
+        self.gate.admitted(tenant, req.model, time.monotonic() - arrived)
+        generation = req.to_generation(builder.request_id)
+        generation.cache_salt = tenant.cache_salt
+        generation.priority = slot.priority
+        gen: DeploymentResponseGenerator = handle.generate.remote(generation)
+        try:
+            return gen, await self._first_chunk(gen)
+        except BaseException:
+            gen.cancel()
+            raise
 
     @staticmethod
     async def _collect(gen: DeploymentResponseGenerator, first: GenerationChunk,
@@ -360,3 +405,11 @@ class OpenAIRouter:
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
             end(status)
+
+
+def _router_id() -> str:
+    """This router replica's Serve id (it keys the backlog it reports to the engines)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (unit tests)
+        return f"router-{uuid.uuid4().hex[:8]}"

@@ -8,7 +8,7 @@ Ray metrics.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -21,6 +21,7 @@ from serve_app.observability.metrics import (
     ROUTER_METRICS,
     exported_name,
 )
+from serve_app.routing.capacity import ReplicaLoad
 from serve_app.tenancy.fair_queue import BANDS
 from serve_app.tenancy.keys import KeyRing, Tenant
 from serve_app.tenancy.quota import QuotaBook
@@ -48,6 +49,12 @@ class TenantGate:
                              boundaries=LATENCY_BUCKETS_S)
         self._queue_wait = _metric(Histogram, "tenant_queue_wait", "histogram",
                                    ("tenant", "model"), boundaries=LATENCY_BUCKETS_S)
+        self._capacity = _metric(Gauge, "admission_capacity", "gauge", ("model",))
+        self._live = _metric(Gauge, "live_replicas", "gauge", ("model",))
+        self._demand = _metric(Gauge, "demand", "gauge", ("model",))
+        self._target = _metric(Gauge, "target_per_replica", "gauge", ("model",))
+        self._targets = {m.name: m.target_per_replica for m in config.models}
+        self._queued_now: dict[str, int] = {}
 
     def admitted(self, tenant: Tenant, model: str, waited_s: float) -> None:
         """A request left the router's queue (or passed straight through) after ``waited_s``."""
@@ -60,6 +67,16 @@ class TenantGate:
         """Publish ``model``'s router queue depth per priority band."""
         for band in BANDS:
             self._queued.set(admission.queued(band), tags={"model": model, "priority": band})
+        self._queued_now[model] = admission.queued()
+
+    def engines_polled(self, model: str, replicas: Sequence[ReplicaLoad], capacity: int) -> None:
+        """Publish what the engine feed of ``model`` saw: capacity, live replicas, demand."""
+        tags = {"model": model}
+        self._capacity.set(capacity, tags=tags)
+        self._live.set(len(replicas), tags=tags)
+        in_engines = sum(max(r.active, r.running + r.waiting) for r in replicas)
+        self._demand.set(in_engines + self._queued_now.get(model, 0), tags=tags)
+        self._target.set(self._targets.get(model, 0), tags=tags)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an ``Authorization`` header, or a 401 (the key is never echoed)."""
@@ -81,6 +98,10 @@ class TenantGate:
                 headers={"Retry-After": str(math.ceil(wait)),
                          "retry-after-ms": str(math.ceil(wait * 1000)),
                          "x-ratelimit-limit-type": decision.limit or ""})
+
+    def refund(self, tenant: Tenant) -> None:
+        """Undo :meth:`admit`'s request charge (the request was refused with queue_full)."""
+        self.quotas.refund(tenant.name)
 
     def finish(self, tenant: Tenant, model: str, status: int, prompt_tokens: int = 0,
                completion_tokens: int = 0) -> None:

@@ -97,9 +97,9 @@ def serving_dashboard() -> dict[str, Any]:
                [(f"sum by (model, priority) "
                  f"({metric('ray_serve_app_router_queued_requests')})",
                  "{{model}} {{priority}}")], "short", 0, 48,
-               "Requests held in the router's fair queue because the model's engines are at "
-               "their in-flight cap (router.max_in_flight_per_model); the queue depth to "
-               "scale on."),
+               "Requests held in the router's fair queue because the model's engines start "
+               "nothing more right now (their waiting queues are at the admission headroom); "
+               "with the engines' own requests, the demand autoscaling follows."),
         _panel(14, "Time to first token by tenant (p90)",
                [(f"histogram_quantile(0.9, sum by (le, tenant) "
                  f"(rate({metric('ray_serve_app_tenant_ttft_seconds')}_bucket{rate})))",
@@ -111,6 +111,22 @@ def serving_dashboard() -> dict[str, Any]:
                  f"(rate({metric('ray_serve_app_tenant_queue_wait_seconds')}_bucket{rate})))",
                  "{{tenant}}")], "s", 0, 56,
                "Time requests waited for an engine slot in the router's fair queue."),
+        _panel(16, "Autoscaling: demand, capacity and replicas",
+               [(f"sum by (model) ({metric('ray_serve_app_model_demand')})",
+                 "demand {{model}}"),
+                (f"sum by (model) ({metric('ray_serve_app_admission_capacity')})",
+                 "admission capacity {{model}}"),
+                (f"max by (model) ({metric('ray_serve_app_model_live_replicas')}) * "
+                 f"max by (model) ({metric('ray_serve_app_autoscaling_target_per_replica')})",
+                 "replicas x target {{model}}")], "short", 12, 56,
+               "Demand (queued in the routers + in the engines) against what the live replicas "
+               "are sized for. Demand above the replicas x target line for longer than the "
+               "upscale delay adds replicas; far below it for the downscale delay removes one."),
+        _panel(17, "Live replicas per model",
+               [(f"max by (model) ({metric('ray_serve_app_model_live_replicas')})",
+                 "{{model}}")], "short", 0, 64,
+               "Replicas that answered the routers' last load poll (replicas that are starting "
+               "or draining are not counted)."),
     ]
     return {
         "uid": "serve-app-serving",

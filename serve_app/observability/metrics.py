@@ -55,6 +55,16 @@ METRICS: dict[str, Metric] = {
                "Per tenant: time a request waited in the router's fair queue."),
         Metric("ray_serve_app_router_queued_requests", "gauge", "router",
                "Requests waiting in a router replica's fair queue, by model and priority band."),
+        Metric("ray_serve_app_admission_capacity", "gauge", "router",
+               "Requests of a model a router replica may have in its engines now (set from "
+               "the engines' live load)."),
+        Metric("ray_serve_app_model_live_replicas", "gauge", "router",
+               "Live replicas of a model, as a router replica's last load poll saw them."),
+        Metric("ray_serve_app_model_demand", "gauge", "router",
+               "A model's demand as a router replica sees it: its queued requests plus the "
+               "requests in the model's engines (what autoscaling sizes replicas for)."),
+        Metric("ray_serve_app_autoscaling_target_per_replica", "gauge", "router",
+               "Demand one replica of a model is sized for (autoscaling.target_per_replica)."),
     ]
 }
 
@@ -66,6 +76,10 @@ ROUTER_METRICS = {
     "router_queued": "serve_app_router_queued_requests",
     "tenant_ttft": "serve_app_tenant_ttft_seconds",
     "tenant_queue_wait": "serve_app_tenant_queue_wait_seconds",
+    "admission_capacity": "serve_app_admission_capacity",
+    "live_replicas": "serve_app_model_live_replicas",
+    "demand": "serve_app_model_demand",
+    "target_per_replica": "serve_app_autoscaling_target_per_replica",
 }
 
 # Histogram buckets (seconds) of the router's latency metrics.

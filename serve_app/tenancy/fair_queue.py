@@ -2,9 +2,10 @@
 
 Within a band the backlogged tenant with the least *virtual service* goes first (VTC, Sheng et
 al., OSDI 2024): a tenant's service is the tokens it was served, prompt + 2 x completion, charged
-when a request ends. A tenant that becomes backlogged is lifted to the least service among the
-tenants already waiting in its band, so idling banks no credit to spend later in a burst. Within
-one tenant requests keep their arrival order.
+when a request ends. Each band keeps a virtual clock: the service of the tenant it last served
+(the least among its backlogged tenants at that moment). A tenant that becomes backlogged is
+lifted to that clock, whether or not the band has other waiters right now, so idling banks no
+credit to spend later in a burst. Within one tenant requests keep their arrival order.
 
 Pure data structure (no asyncio, no Ray); the router's admission controller drives it.
 """
@@ -12,7 +13,7 @@ Pure data structure (no asyncio, no Ray); the router's admission controller driv
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Generic, Hashable, Literal, TypeVar
+from typing import Callable, Generic, Hashable, Literal, TypeVar
 
 from serve_app.config import Priority
 
@@ -32,6 +33,8 @@ class FairQueue(Generic[T]):
         self._waiting: dict[Priority, dict[str, deque[T]]] = {b: {} for b in BANDS}
         self._service: dict[str, float] = {}
         self._where: dict[T, tuple[Priority, str]] = {}
+        # Per band: the virtual service of the tenant served last (VTC's virtual clock).
+        self._clock: dict[Priority, float] = {b: 0.0 for b in BANDS}
 
     def __len__(self) -> int:
         return len(self._where)
@@ -51,10 +54,11 @@ class FairQueue(Generic[T]):
     def push(self, item: T, tenant: str, band: Priority = "normal") -> None:
         tenants = self._waiting[band]
         if tenant not in tenants:
-            # Newly backlogged: no credit for the time it was idle (VTC's counter lift).
-            if tenants:
-                floor = min(self._service.get(t, 0.0) for t in tenants)
-                self._service[tenant] = max(self._service.get(tenant, 0.0), floor)
+            # Newly backlogged: no credit for the time it was idle (VTC's counter lift). The
+            # floor is the least service among waiters, or the band's clock when none wait:
+            # an empty band still remembers how far service has advanced.
+            floor = min((self._service.get(t, 0.0) for t in tenants), default=self._clock[band])
+            self._service[tenant] = max(self._service.get(tenant, 0.0), floor)
             tenants[tenant] = deque()
         tenants[tenant].append(item)
         self._where[item] = (band, tenant)
@@ -67,6 +71,7 @@ class FairQueue(Generic[T]):
             if not tenants:
                 continue
             tenant = min(tenants, key=lambda t: self._service.get(t, 0.0))  # stable: FIFO ties
+            self._clock[band] = max(self._clock[band], self._service.get(tenant, 0.0))
             q = tenants[tenant]
             item = q.popleft()
             if not q:
@@ -76,6 +81,13 @@ class FairQueue(Generic[T]):
             del self._where[item]
             return item
         return None
+
+    def pop_where(self, pred: Callable[[T], bool]) -> T | None:
+        """Remove and return the first waiting item (any band) for which ``pred`` holds."""
+        item = next((i for i in self._where if pred(i)), None)
+        if item is not None:
+            self.remove(item)
+        return item
 
     def remove(self, item: T) -> bool:
         """Drop a waiting item (its client left); False if it was not waiting."""
@@ -92,6 +104,13 @@ class FairQueue(Generic[T]):
     def charge(self, tenant: str, service: float) -> None:
         """Add ``service`` (see :func:`service_of`) to ``tenant``'s virtual service."""
         self._service[tenant] = self._service.get(tenant, 0.0) + service
+
+    def engine_priority(self, tenant: str, band: Priority) -> int:
+        """The vLLM priority (lower runs first) of a request of ``tenant`` in ``band`` admitted
+        now: the band first, then the tenant's virtual service. Inside the engine's own waiting
+        queue this keeps the order the fair queue would have chosen (vLLM breaks ties by
+        arrival), so the few requests the router lets wait there cannot starve a quiet tenant."""
+        return engine_priority(band, self._service.get(tenant, 0.0))
 
 
 class FifoQueue(Generic[T]):
@@ -118,11 +137,28 @@ class FifoQueue(Generic[T]):
     def pop(self) -> T | None:
         return self._items.popitem(last=False)[0] if self._items else None
 
+    def pop_where(self, pred: Callable[[T], bool]) -> T | None:
+        item = next((i for i in self._items if pred(i)), None)
+        if item is not None:
+            del self._items[item]
+        return item
+
     def remove(self, item: T) -> bool:
         return self._items.pop(item, None) is not None
 
     def charge(self, tenant: str, service: float) -> None:
         pass
+
+    def engine_priority(self, tenant: str, band: Priority) -> int:
+        return 0  # arrival order inside the engine too
+
+
+def engine_priority(band: Priority, service: float) -> int:
+    """Band rank in the high bits, the tenant's virtual service (tokens) below it."""
+    return (BANDS.index(band) << _SERVICE_BITS) | min(int(service), (1 << _SERVICE_BITS) - 1)
+
+
+_SERVICE_BITS = 48  # 2.8e14 tokens of service before a tenant's counter saturates
 
 
 QueuePolicy = Literal["fair", "fifo"]

@@ -107,6 +107,13 @@ class QuotaBook:
             rpm.take(1, now)
         return ADMITTED
 
+    def refund(self, tenant: str) -> None:
+        """Give back the request token of an admitted request that was then refused elsewhere
+        (its model's queue was full): a refused request costs no quota."""
+        rpm = self._rpm.get(tenant)
+        if rpm is not None:
+            rpm.take(-1, self.clock())
+
     def settle(self, tenant: str, tokens: int) -> None:
         """Charge ``tokens`` (prompt + completion) a finished request of ``tenant`` used."""
         tpm = self._tpm.get(tenant)

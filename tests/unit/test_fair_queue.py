@@ -55,6 +55,40 @@ def test_idle_tenant_banks_no_credit():
     assert q.pop() == "i0"
 
 
+def test_tenant_backlogged_in_an_empty_band_banks_no_credit():
+    """Regression (fair queue, empty band): a tenant that arrives when its band has no waiters
+    used to keep the service it had before going idle, then jumped ahead of a tenant served
+    meanwhile for as long as that tenant's past service."""
+    q: FairQueue[str] = FairQueue()
+    # busy is served alone for a while: each request is popped before the next arrives.
+    for i in range(5):
+        q.push(f"b{i}", "busy")
+        assert q.pop() == f"b{i}"
+        q.charge("busy", 1000)
+    q.push("b5", "busy")
+    assert q.pop() == "b5"  # the band is empty again; its clock stands at busy's 5000
+    q.push("i0", "idle")  # idle arrives into an empty band
+    assert q.service("idle") >= 5000
+    q.push("b6", "busy")
+    q.push("i1", "idle")
+    q.push("b7", "busy")
+    # Both at about the same service: they alternate instead of idle taking every turn.
+    order = [q.pop() for _ in range(4)]
+    assert order[:2] == ["i0", "b6"] or order[:2] == ["b6", "i0"], order
+    assert sorted(order) == ["b6", "b7", "i0", "i1"]
+
+
+def test_engine_priority_orders_bands_then_service():
+    from serve_app.tenancy.fair_queue import engine_priority
+
+    q: FairQueue[str] = FairQueue()
+    q.charge("heavy", 50_000)
+    assert q.engine_priority("light", "normal") < q.engine_priority("heavy", "normal")
+    # A band outranks any amount of service.
+    assert engine_priority("high", 10**20) < engine_priority("normal", 0)
+    assert engine_priority("normal", 10**20) < engine_priority("low", 0)
+
+
 def test_remove_waiting_item():
     q: FairQueue[str] = FairQueue()
     q.push("x", "a")

@@ -1,0 +1,72 @@
+"""The admission-capacity contract: from the engines' live load to how many requests of one
+model a router replica may have in flight.
+
+Called by :class:`serve_app.ingress.engine_feed.EngineFeed` after every poll of the model's
+replicas (many times a second while there is work); the result goes to the model's
+:class:`serve_app.ingress.admission.AdmissionController`, which releases queued requests while
+its in-flight count is below it. Policies are pure functions of the snapshot (no I/O, no Ray),
+so they are unit-tested by driving them with scripted loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One LLMServer replica as its latest ``engine_load`` answer described it.
+
+    ``active``: requests the replica is serving (tokenizing, in the engine, streaming out);
+    ``running``/``waiting``: started and held-but-not-started requests in its engine, as of the
+    engine's latest step; ``kv_cache_usage`` 0..1; ``max_running``: the engine's batch limit
+    (vLLM's ``max_num_seqs``, 0 if unknown).
+    """
+
+    replica: str
+    active: int
+    running: int
+    waiting: int
+    kv_cache_usage: float = 0.0
+    max_running: int = 0
+
+    @classmethod
+    def from_report(cls, report: dict) -> ReplicaLoad:
+        return cls(replica=str(report["replica"]), active=int(report["active"]),
+                   running=int(report["running"]), waiting=int(report["waiting"]),
+                   kv_cache_usage=float(report.get("kv_cache_usage", 0.0)),
+                   max_running=int(report.get("max_running", 0)))
+
+
+class CapacityPolicy(Protocol):
+    """Maps the live replicas' loads to this router replica's in-flight limit for the model."""
+
+    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int) -> int:
+        """In-flight limit for one router replica; ``replicas`` are the live ones (possibly
+        none: the result is then 1, so one request reaches Serve, which starts a replica)."""
+        ...
+
+
+COLD_START_PROBE = 1  # requests let through while a model has no live replica (see above)
+
+
+def capacity_policy(name: str, *, headroom: int, kv_cache_high: float,
+                    fixed_per_replica: int, upper_bound: int | None) -> CapacityPolicy:
+    """The policy configured as ``router.admission.policy``."""
+    from serve_app.routing.engine_feedback import EngineFeedbackCapacity
+    from serve_app.routing.fixed import FixedCapacity
+
+    if name == "engine_feedback":
+        return EngineFeedbackCapacity(headroom, kv_cache_high, upper_bound)
+    if name == "fixed":
+        return FixedCapacity(fixed_per_replica, upper_bound)
+    raise ValueError(f"unknown admission policy {name!r}")
+
+
+def share(total: int, num_routers: int, upper_bound: int | None) -> int:
+    """One router replica's share of ``total`` (each router holds its own queue), bounded."""
+    per_router = -(-total // max(1, num_routers))
+    if upper_bound is not None:
+        per_router = min(per_router, -(-upper_bound // max(1, num_routers)))
+    return max(COLD_START_PROBE, per_router)
