@@ -43,7 +43,8 @@ class Decision:
 def decide(demand: float, current: int, target_per_replica: float, min_replicas: int,
            max_replicas: int, downscale_utilization: float) -> Decision:
     """Pure decision (unit-tested): the replica count ``demand`` calls for, given ``current``."""
-    wanted = math.ceil(demand / target_per_replica) if demand > 0 else 0
+    # Averaged counts leave fractions; below half a request there is no demand.
+    wanted = math.ceil(demand / target_per_replica) if demand >= 0.5 else 0
     wanted = min(max(wanted, min_replicas), max_replicas)
     if wanted > current:
         return Decision(demand, wanted, f"demand {demand:.0f} > {current} x {target_per_replica:g}")
@@ -58,14 +59,18 @@ def decide(demand: float, current: int, target_per_replica: float, min_replicas:
 
 
 def demand_of(ctx: Any) -> float:
-    """The model's demand from an ``AutoscalingContext`` (see the module docstring)."""
+    """The model's demand from an ``AutoscalingContext`` (see the module docstring).
+
+    Serve's own ``total_num_requests`` is used only before any replica has reported: it also
+    counts the routers' load polls in flight, which would keep an idle model from reaching zero.
+    """
     metrics = ctx.aggregated_metrics or {}
-    in_engine = sum((metrics.get(IN_ENGINE) or {}).values())
-    queued_reports = (metrics.get(ROUTER_QUEUED) or {}).values()
-    router_queued = max(queued_reports, default=0.0)
-    handle_queued = ctx.total_queued_requests or 0.0
-    # Before any custom report (e.g. a replica just started), Serve's own count still applies.
-    return max(in_engine + router_queued + handle_queued, float(ctx.total_num_requests or 0.0))
+    engines = metrics.get(IN_ENGINE) or {}
+    handle_queued = float(ctx.total_queued_requests or 0.0)
+    if not engines:
+        return max(handle_queued, float(ctx.total_num_requests or 0.0))
+    router_queued = max((metrics.get(ROUTER_QUEUED) or {}).values(), default=0.0)
+    return sum(engines.values()) + router_queued + handle_queued
 
 
 class QueueDepthPolicy:

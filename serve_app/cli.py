@@ -103,6 +103,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_flood(args: argparse.Namespace) -> int:
+    from serve_app.bench.flood import main as flood_main
+
+    return flood_main(args)
+
+
 def cmd_dashboards(args: argparse.Namespace) -> int:
     from serve_app.observability.dashboards import write_dashboards
 
@@ -157,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("flood", help="a flooding tenant beside a quiet one: the quiet one's TTFT")
+    from serve_app.bench.flood import add_arguments as add_flood_arguments
+
+    add_flood_arguments(p)
+    p.set_defaults(func=cmd_flood)
 
     p = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) to a folder")
     p.add_argument("--out", default="dashboards")

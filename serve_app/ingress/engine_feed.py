@@ -88,6 +88,8 @@ class EngineFeed:
                 replicas = await self.poll()
                 if replicas is not None:
                     self.apply(replicas)
+                elif not self.replicas:  # no answer and none known: still a cold start
+                    self.admission.expire_waiting(self.settings.cold_start_timeout_s)
                 a = self.admission
                 if a.in_flight or len(a.queue):
                     await asyncio.sleep(self.settings.poll_interval_s)

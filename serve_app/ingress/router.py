@@ -124,6 +124,16 @@ async def _client_gone(request: Request) -> None:
         await asyncio.sleep(0.05)
 
 
+def _router_id() -> str:
+    """This router replica's Serve id (it keys the backlog it reports to the engines)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (unit tests)
+        return f"router-{uuid.uuid4().hex[:8]}"
+
+
+# Serve serializes the class when it is decorated: every module-level helper it calls must be
+# defined above this point.
 @serve.deployment(name="Router")
 @serve.ingress(app)
 class OpenAIRouter:
@@ -405,11 +415,3 @@ class OpenAIRouter:
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
             end(status)
-
-
-def _router_id() -> str:
-    """This router replica's Serve id (it keys the backlog it reports to the engines)."""
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside a Serve replica (unit tests)
-        return f"router-{uuid.uuid4().hex[:8]}"

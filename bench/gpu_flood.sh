@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The one-queue scenario on one GPU, both arms in one command: a tenant floods the endpoint with
+# FLOOD_C concurrent non-streaming requests (1024 in / 128 out) while a quiet tenant sends one
+# streamed request at a time (128 in / 16 out). Arms: bare `vllm serve` (same engine arguments,
+# FCFS order since it gets no priorities) and the stack with two tenants. Results under $OUT.
+# usage: bench/gpu_flood.sh [CONFIG] [DURATION_S]     (env: PYTHON, FLOOD_C, ARMS="bare stack")
+set -uo pipefail
+CONFIG=${1:-deployments/gpu-1.yaml}; DUR=${2:-60}
+PY=${PYTHON:-python3}
+DIR=${OUT:-bench/out}/flood
+mkdir -p "$DIR"
+FLOOD_C=${FLOOD_C:-768}
+MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
+MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].path)")
+[ -e "$MPATH" ] || $PY -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
+FLOOD_KEY=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
+QUIET_KEY=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
+# The stack's config: the deployment plus two tenants (throwaway keys), on loopback.
+$PY - "$CONFIG" "$FLOOD_KEY" "$QUIET_KEY" > "$DIR/stack-config.yaml" <<'PY'
+import sys
+from pathlib import Path
+
+import yaml
+
+from serve_app.config import load_config
+from serve_app.tenancy.keys import key_digest
+
+path, flood, quiet = sys.argv[1:4]
+cfg = yaml.safe_load(Path(path).read_text())
+cfg["models"][0]["path"] = load_config(path).models[0].path
+cfg.setdefault("router", {})["host"] = "127.0.0.1"
+cfg["tenants"] = [{"name": "flood", "api_key_sha256": [key_digest(flood)]},
+                  {"name": "quiet", "api_key_sha256": [key_digest(quiet)]}]
+print(yaml.safe_dump(cfg, sort_keys=False))
+PY
+
+wait_ready() {  # url pid timeout key
+  local t=0
+  until $PY -c "import sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1] + '/v1/models', headers={'Authorization': 'Bearer ' + sys.argv[2]}), timeout=3)" \
+      "$1" "$4" 2>/dev/null; do
+    sleep 2; t=$((t + 2))
+    if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
+  done
+  echo "ready after ${t}s"
+}
+stop() {
+  kill -TERM "$1" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -"$1" 2>/dev/null; sleep 2
+}
+ray_metrics_urls() {  # the metrics agents Ray lists for Prometheus
+  $PY -c "import json; print(' '.join('--metrics-url http://%s/metrics' % t for g in json.load(open('/tmp/ray/prom_metrics_service_discovery.json')) for t in g['targets']))" 2>/dev/null
+}
+flood() {  # url arm key-args metrics-args
+  $PY -m serve_app.cli flood --base-url "$1" --model "$MODEL" --flood-concurrency "$FLOOD_C" \
+    --duration-s "$DUR" --settle-s "${SETTLE_S:-10}" --label "$2" --out "$DIR/$2.json" $3 $4 \
+    2>&1 | tail -n 3 | tee "$DIR/$2.txt"
+}
+
+for arm in ${ARMS:-bare stack}; do
+  T0=$(date +%s)
+  if [ "$arm" = bare ]; then
+    BARE_CMD=$($PY -m serve_app.bench.arms "$CONFIG")
+    echo "== bare: $BARE_CMD --port 8100"
+    setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
+    PID=$!
+    wait_ready http://127.0.0.1:8100 $PID 420 none && \
+      flood http://127.0.0.1:8100 bare "" "--metrics-url http://127.0.0.1:8100/metrics"
+  else
+    echo "== stack: serve-app run --config $DIR/stack-config.yaml"
+    setsid $PY -m serve_app.cli run --config "$DIR/stack-config.yaml" --port 8000 \
+      > "$DIR/stack-server.log" 2>&1 &
+    PID=$!
+    wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \
+      flood http://127.0.0.1:8000 stack "--flood-key $FLOOD_KEY --quiet-key $QUIET_KEY" "$(ray_metrics_urls)"
+  fi
+  stop $PID
+  echo "$arm arm took $(( $(date +%s) - T0 ))s"
+done

@@ -1,0 +1,191 @@
+"""A flood beside a quiet tenant: does the quiet one still get the GPU?
+
+One tenant keeps ``flood_concurrency`` non-streaming completions in flight (``flood_in`` prompt
+tokens, ``flood_out`` output tokens, ``ignore_eos``) for ``duration_s``; another sends one
+streamed request at a time (``quiet_in`` / ``quiet_out``) and times its first token. Meanwhile
+the engines' running/waiting counts are sampled from a Prometheus text endpoint (vLLM's own
+``/metrics`` for bare vLLM, Ray's metrics agents for the stack). Works against any OpenAI
+endpoint; keys are optional (bare vLLM has none).
+
+usage: serve-app flood --base-url URL --model M [--flood-key K --quiet-key K] [--metrics-url U ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+_GAUGE = re.compile(r"^(?:ray_)?vllm[:_]num_requests_(running|waiting)(?:\{[^}]*\})? ([0-9.e+-]+)",
+                    re.M)
+
+
+def _prompt(n_tokens: int, rng: random.Random) -> list[int]:
+    # Token ids, so every arm gets exactly n prompt tokens whatever the tokenizer.
+    return [rng.randrange(1000, 20000) for _ in range(n_tokens)]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def _flood_worker(session: aiohttp.ClientSession, url: str, model: str, key: str | None,
+                        n_in: int, n_out: int, stop_at: float, rng: random.Random,
+                        acc: dict[str, Any]) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    while time.monotonic() < stop_at:
+        body = {"model": model, "prompt": _prompt(n_in, rng), "max_tokens": n_out,
+                "ignore_eos": True, "temperature": 0.0}
+        try:
+            async with session.post(url, json=body, headers=headers) as r:
+                data = await r.json(content_type=None)
+                if r.status == 200:
+                    acc["ok"] += 1
+                    if time.monotonic() <= stop_at:
+                        acc["tokens"] += data["usage"]["completion_tokens"]
+                else:
+                    acc["errors"][str(r.status)] = acc["errors"].get(str(r.status), 0) + 1
+                    await asyncio.sleep(0.05)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            acc["errors"][type(err).__name__] = acc["errors"].get(type(err).__name__, 0) + 1
+            await asyncio.sleep(0.05)
+
+
+async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, key: str | None,
+                        n_in: int, n_out: int, start_at: float, stop_at: float,
+                        rng: random.Random, ttfts: list[float], errors: dict[str, int]) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    while time.monotonic() < stop_at:
+        body = {"model": model, "prompt": _prompt(n_in, rng), "max_tokens": n_out,
+                "ignore_eos": True, "temperature": 0.0, "stream": True}
+        t0 = time.monotonic()
+        first = None
+        try:
+            async with session.post(url, json=body, headers=headers) as r:
+                if r.status != 200:
+                    errors[str(r.status)] = errors.get(str(r.status), 0) + 1
+                    await r.read()
+                    await asyncio.sleep(0.1)
+                    continue
+                async for line in r.content:
+                    if first is None and line.startswith(b"data: {"):
+                        first = time.monotonic() - t0
+            if first is not None:
+                ttfts.append(first)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
+        await asyncio.sleep(0.05)  # one at a time, a short think time
+
+
+async def _sample_engines(session: aiohttp.ClientSession, urls: list[str], stop_at: float,
+                          samples: list[dict[str, float]]) -> None:
+    while time.monotonic() < stop_at:
+        totals = {"t": time.monotonic(), "running": 0.0, "waiting": 0.0}
+        for url in urls:
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    text = await r.text()
+                for kind, value in _GAUGE.findall(text):
+                    totals[kind] += float(value)
+            except Exception:
+                pass
+        samples.append(totals)
+        await asyncio.sleep(1.0)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    rng = random.Random(args.seed)
+    timeout = aiohttp.ClientTimeout(total=args.duration_s + 600)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()
+                                             if not k.endswith("key") and k != "func"}}
+        # Quiet alone first: the reference TTFT.
+        alone: list[float] = []
+        alone_err: dict[str, int] = {}
+        t0 = time.monotonic()
+        await _quiet_worker(session, url, args.model, args.quiet_key, args.quiet_in,
+                            args.quiet_out, t0, t0 + args.alone_s, rng, alone, alone_err)
+        # Then the flood, with the quiet tenant beside it once the flood has built up.
+        acc: dict[str, Any] = {"ok": 0, "tokens": 0, "errors": {}}
+        quiet: list[float] = []
+        quiet_err: dict[str, int] = {}
+        samples: list[dict[str, float]] = []
+        start = time.monotonic()
+        stop_at = start + args.duration_s
+        tasks = [asyncio.ensure_future(_flood_worker(
+            session, url, args.model, args.flood_key, args.flood_in, args.flood_out, stop_at,
+            random.Random(rng.random()), acc)) for _ in range(args.flood_concurrency)]
+        tasks.append(asyncio.ensure_future(_quiet_worker(
+            session, url, args.model, args.quiet_key, args.quiet_in, args.quiet_out,
+            start + args.settle_s, stop_at, rng, quiet, quiet_err)))
+        if args.metrics_url:
+            tasks.append(asyncio.ensure_future(_sample_engines(session, args.metrics_url,
+                                                               stop_at, samples)))
+        await asyncio.gather(*tasks)
+        elapsed = args.duration_s
+    ms = lambda xs: [round(x * 1000, 1) for x in xs]  # noqa: E731
+    during = [s for s in samples if s["t"] >= start + args.settle_s]
+    result.update({
+        "quiet_alone_ttft_ms": {"n": len(alone), "p50": _pct(ms(alone), 0.5),
+                                "p90": _pct(ms(alone), 0.9), "errors": alone_err},
+        "quiet_under_flood_ttft_ms": {"n": len(quiet), "p50": _pct(ms(quiet), 0.5),
+                                      "p90": _pct(ms(quiet), 0.9),
+                                      "mean": round(statistics.fmean(ms(quiet)), 1) if quiet
+                                      else None, "errors": quiet_err},
+        "flood": {"completed": acc["ok"], "output_tok_s": round(acc["tokens"] / elapsed, 1),
+                  "errors": acc["errors"]},
+        "engines": {"samples": len(during),
+                    "running_median": _pct([s["running"] for s in during], 0.5),
+                    "waiting_median": _pct([s["waiting"] for s in during], 0.5),
+                    "waiting_max": max((s["waiting"] for s in during), default=None)},
+    })
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="endpoint, without /v1")
+    p.add_argument("--model", required=True)
+    p.add_argument("--flood-key", default=None, help="API key of the flooding tenant")
+    p.add_argument("--quiet-key", default=None, help="API key of the quiet tenant")
+    p.add_argument("--flood-concurrency", type=int, default=768)
+    p.add_argument("--flood-in", type=int, default=1024)
+    p.add_argument("--flood-out", type=int, default=128)
+    p.add_argument("--quiet-in", type=int, default=128)
+    p.add_argument("--quiet-out", type=int, default=16)
+    p.add_argument("--duration-s", type=float, default=60.0, help="length of the flood")
+    p.add_argument("--settle-s", type=float, default=10.0,
+                   help="flood time before the quiet tenant's measured requests start")
+    p.add_argument("--alone-s", type=float, default=5.0, help="quiet tenant alone, first")
+    p.add_argument("--metrics-url", action="append", default=[],
+                   help="Prometheus text endpoint(s) with the engines' running/waiting gauges")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    p.add_argument("--label", default="")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = asyncio.run(run(args))
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    q, f, e = (result["quiet_under_flood_ttft_ms"], result["flood"], result["engines"])
+    print(f"{args.label}: quiet TTFT p50 alone {result['quiet_alone_ttft_ms']['p50']} ms, under "
+          f"flood {q['p50']} ms (p90 {q['p90']}, n={q['n']}); flood {f['output_tok_s']} out "
+          f"tok/s, errors {f['errors']} {q['errors']}; engines running~{e['running_median']} "
+          f"waiting~{e['waiting_median']} (max {e['waiting_max']})")
+    return 0
