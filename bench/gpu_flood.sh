@@ -53,7 +53,7 @@ ray_metrics_urls() {  # the metrics agents Ray lists for Prometheus
 }
 flood() {  # url arm key-args metrics-args
   $PY -m serve_app.cli flood --base-url "$1" --model "$MODEL" --flood-concurrency "$FLOOD_C" \
-    --duration-s "$DUR" --settle-s "${SETTLE_S:-10}" --label "$2" --out "$DIR/$2.json" $3 $4 \
+    --duration-s "$DUR" --settle-s "${SETTLE_S:-10}" --token-range "${TOKEN_RANGE:-1000-20000}" --label "$2" --out "$DIR/$2.json" $3 $4 \
     2>&1 | tail -n 3 | tee "$DIR/$2.txt"
 }
 

@@ -28,9 +28,9 @@ _GAUGE = re.compile(r"^(?:ray_)?vllm[:_]num_requests_(running|waiting)(?:\{[^}]*
                     re.M)
 
 
-def _prompt(n_tokens: int, rng: random.Random) -> list[int]:
+def _prompt(n_tokens: int, rng: random.Random, ids: tuple[int, int]) -> list[int]:
     # Token ids, so every arm gets exactly n prompt tokens whatever the tokenizer.
-    return [rng.randrange(1000, 20000) for _ in range(n_tokens)]
+    return [rng.randrange(*ids) for _ in range(n_tokens)]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -42,10 +42,10 @@ def _pct(values: list[float], q: float) -> float:
 
 async def _flood_worker(session: aiohttp.ClientSession, url: str, model: str, key: str | None,
                         n_in: int, n_out: int, stop_at: float, rng: random.Random,
-                        acc: dict[str, Any]) -> None:
+                        acc: dict[str, Any], ids: tuple[int, int]) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     while time.monotonic() < stop_at:
-        body = {"model": model, "prompt": _prompt(n_in, rng), "max_tokens": n_out,
+        body = {"model": model, "prompt": _prompt(n_in, rng, ids), "max_tokens": n_out,
                 "ignore_eos": True, "temperature": 0.0}
         try:
             async with session.post(url, json=body, headers=headers) as r:
@@ -64,11 +64,12 @@ async def _flood_worker(session: aiohttp.ClientSession, url: str, model: str, ke
 
 async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, key: str | None,
                         n_in: int, n_out: int, start_at: float, stop_at: float,
-                        rng: random.Random, ttfts: list[float], errors: dict[str, int]) -> None:
+                        rng: random.Random, ttfts: list[float], errors: dict[str, int],
+                        ids: tuple[int, int]) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     while time.monotonic() < stop_at:
-        body = {"model": model, "prompt": _prompt(n_in, rng), "max_tokens": n_out,
+        body = {"model": model, "prompt": _prompt(n_in, rng, ids), "max_tokens": n_out,
                 "ignore_eos": True, "temperature": 0.0, "stream": True}
         t0 = time.monotonic()
         first = None
@@ -108,6 +109,8 @@ async def _sample_engines(session: aiohttp.ClientSession, urls: list[str], stop_
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     url = args.base_url.rstrip("/") + "/v1/completions"
     rng = random.Random(args.seed)
+    lo, hi = (int(x) for x in args.token_range.split("-"))
+    ids = (lo, hi)
     timeout = aiohttp.ClientTimeout(total=args.duration_s + 600)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
@@ -118,7 +121,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         alone_err: dict[str, int] = {}
         t0 = time.monotonic()
         await _quiet_worker(session, url, args.model, args.quiet_key, args.quiet_in,
-                            args.quiet_out, t0, t0 + args.alone_s, rng, alone, alone_err)
+                            args.quiet_out, t0, t0 + args.alone_s, rng, alone, alone_err, ids)
         # Then the flood, with the quiet tenant beside it once the flood has built up.
         acc: dict[str, Any] = {"ok": 0, "tokens": 0, "errors": {}}
         quiet: list[float] = []
@@ -128,10 +131,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         stop_at = start + args.duration_s
         tasks = [asyncio.ensure_future(_flood_worker(
             session, url, args.model, args.flood_key, args.flood_in, args.flood_out, stop_at,
-            random.Random(rng.random()), acc)) for _ in range(args.flood_concurrency)]
+            random.Random(rng.random()), acc, ids)) for _ in range(args.flood_concurrency)]
         tasks.append(asyncio.ensure_future(_quiet_worker(
             session, url, args.model, args.quiet_key, args.quiet_in, args.quiet_out,
-            start + args.settle_s, stop_at, rng, quiet, quiet_err)))
+            start + args.settle_s, stop_at, rng, quiet, quiet_err, ids)))
         if args.metrics_url:
             tasks.append(asyncio.ensure_future(_sample_engines(session, args.metrics_url,
                                                                stop_at, samples)))
@@ -173,6 +176,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-url", action="append", default=[],
                    help="Prometheus text endpoint(s) with the engines' running/waiting gauges")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-range", default="10-250",
+                   help="prompt token ids are drawn from LO-HI (inside every model's vocabulary)")
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.add_argument("--label", default="")
 

@@ -199,6 +199,15 @@ class OpenAIRouter:
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, ChatCompletionRequest, "chat", "chatcmpl-")
 
+    async def admission_state(self) -> dict[str, dict[str, Any]]:
+        """Per model: requests in flight and queued, the capacity and the live replicas as the
+        engine feed saw them (for `serve-app status`-style tools and white-box tests)."""
+        return {name: {"in_flight": a.in_flight, "queued": a.queued(), "capacity": a.capacity,
+                       "replicas": len(self.feeds[name].replicas),
+                       "engine_waiting": sum(r.waiting for r in self.feeds[name].replicas),
+                       "engine_running": sum(r.running for r in self.feeds[name].replicas)}
+                for name, a in self.admission.items()}
+
     # -- internals ------------------------------------------------------------------------------
     async def _model_card(self, name: str) -> dict[str, Any]:
         card: dict[str, Any] = {"id": name, "object": "model", "created": self.created,
