@@ -26,6 +26,9 @@ import aiohttp
 
 _GAUGE = re.compile(r"^(?:ray_)?vllm[:_]num_requests_(running|waiting)(?:\{[^}]*\})? ([0-9.e+-]+)",
                     re.M)
+# The stack's router: requests it holds queued and its admission capacity (absent on bare vLLM).
+_ROUTER = re.compile(r"^ray_serve_app_(router_queued_requests|admission_capacity)"
+                     r"(?:\{[^}]*\})? ([0-9.e+-]+)", re.M)
 
 
 def _prompt(n_tokens: int, rng: random.Random, ids: tuple[int, int]) -> list[int]:
@@ -93,12 +96,13 @@ async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, ke
 async def _sample_engines(session: aiohttp.ClientSession, urls: list[str], stop_at: float,
                           samples: list[dict[str, float]]) -> None:
     while time.monotonic() < stop_at:
-        totals = {"t": time.monotonic(), "running": 0.0, "waiting": 0.0}
+        totals = {"t": time.monotonic(), "running": 0.0, "waiting": 0.0,
+                  "router_queued_requests": 0.0, "admission_capacity": 0.0}
         for url in urls:
             try:
                 async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     text = await r.text()
-                for kind, value in _GAUGE.findall(text):
+                for kind, value in _GAUGE.findall(text) + _ROUTER.findall(text):
                     totals[kind] += float(value)
             except Exception:
                 pass
@@ -154,7 +158,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "engines": {"samples": len(during),
                     "running_median": _pct([s["running"] for s in during], 0.5),
                     "waiting_median": _pct([s["waiting"] for s in during], 0.5),
-                    "waiting_max": max((s["waiting"] for s in during), default=None)},
+                    "waiting_max": max((s["waiting"] for s in during), default=None),
+                    "router_queued_median": _pct([s["router_queued_requests"] for s in during],
+                                                 0.5),
+                    "admission_capacity_median": _pct([s["admission_capacity"] for s in during],
+                                                      0.5),
+                    "timeline": [{k: round(v - start, 1) if k == "t" else v
+                                  for k, v in smp.items()} for smp in samples]},
     })
     return result
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from serve_app.config import Priority
-from serve_app.tenancy.fair_queue import QUEUE_POLICIES, FairQueue
+from serve_app.tenancy.fair_queue import QUEUE_POLICIES, FairQueue, engine_priority
 
 
 class QueueFull(Exception):
@@ -29,8 +29,10 @@ class NoReplicaInTime(Exception):
 
 @dataclass(eq=False)
 class _Waiter:
-    future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
-                                         .create_future())
+    tenant: str
+    band: Priority
+    future: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop()
+                                        .create_future())
     since: float = field(default_factory=time.monotonic)
 
 
@@ -50,7 +52,10 @@ class AdmissionController:
         self.capacity = capacity
         self.max_queued = max_queued
         self.in_flight = 0
+        self.tenant_in_flight: dict[str, int] = {}
         self.queue: FairQueue[_Waiter] = QUEUE_POLICIES[policy]()
+        # The FIFO baseline stays FIFO inside the engine too (every request priority 0).
+        self._prioritize = policy == "fair"
         self._on_change = on_change or (lambda _: None)
         # Set while requests wait for a slot: the engine feed polls at once instead of on its
         # timer, so capacity catches up with a burst within one engine step.
@@ -61,21 +66,21 @@ class AdmissionController:
 
     async def acquire(self, tenant: str, band: Priority) -> int:
         """Return once the request may go to an engine, with its engine priority (see
-        :meth:`FairQueue.engine_priority`); the caller must :meth:`release` then.
+        :func:`~serve_app.tenancy.fair_queue.engine_priority`); the caller must
+        :meth:`release` then.
         Raises :class:`QueueFull` when ``band`` already holds ``max_queued`` waiting requests,
         :class:`NoReplicaInTime` from :meth:`expire_waiting`. Cancellation while waiting (client
         gone) leaves nothing behind."""
         if self.in_flight < self.capacity and not len(self.queue):
-            self.in_flight += 1
-            return self.queue.engine_priority(tenant, band)
+            return self._grant(tenant, band)
         if self.queue.waiting(band) >= self.max_queued:
             raise QueueFull(band)
-        waiter = _Waiter()
+        waiter = _Waiter(tenant, band)
         self.queue.push(waiter, tenant, band)
         self.blocked.set()
         self._on_change(self)
         try:
-            await waiter.future
+            return await waiter.future
         except asyncio.CancelledError:
             if self.queue.remove(waiter):
                 if not len(self.queue):
@@ -85,11 +90,22 @@ class AdmissionController:
                     and waiter.future.exception() is None:
                 self.release(tenant, 0)  # admitted as we were cancelled: give the slot back
             raise
-        return self.queue.engine_priority(tenant, band)
+
+    def _grant(self, tenant: str, band: Priority) -> int:
+        """Count a released request; its engine priority reflects what its tenant had out."""
+        held = self.tenant_in_flight.get(tenant, 0)
+        self.tenant_in_flight[tenant] = held + 1
+        self.in_flight += 1
+        return engine_priority(band, held) if self._prioritize else 0
 
     def release(self, tenant: str, service: float) -> None:
         """One admitted request ended; charge its tenant and admit the next waiters."""
         self.in_flight -= 1
+        held = self.tenant_in_flight.get(tenant, 1) - 1
+        if held > 0:
+            self.tenant_in_flight[tenant] = held
+        else:
+            self.tenant_in_flight.pop(tenant, None)
         self.queue.charge(tenant, service)
         self._admit()
 
@@ -125,8 +141,7 @@ class AdmissionController:
             admitted = True
             if waiter.future.done():  # cancelled before we got to it
                 continue
-            waiter.future.set_result(None)
-            self.in_flight += 1
+            waiter.future.set_result(self._grant(waiter.tenant, waiter.band))
         if not len(self.queue):
             self.blocked.clear()
         if admitted:

@@ -3,47 +3,73 @@
 vLLM starts a request when its token budget, KV cache and ``max_num_seqs`` allow; how many that
 is depends on prompt lengths and memory, so no fixed number fits (measured on an H200: a fixed cap
 of 512 = ``max_num_seqs`` left about 270 requests waiting FCFS inside vLLM while it ran about 230).
-Per replica:
 
-* **saturated** (more than ``headroom`` requests sent but not started, or the KV cache nearly
-  full, or the batch at ``max_num_seqs``): ``running + headroom``. The engine keeps a small
-  queue to start from at its next step; the rest waits in the router's fair queue.
-* **hungry** (it started nearly everything it was sent): ``2 x running + headroom``, capped at
-  ``max_num_seqs + headroom``. Growth needs ``running`` to grow, which takes engine steps, so a
-  burst ramps up in a few steps (4, 8, 16, ... per poll) and polling faster cannot overshoot.
+After each poll, per replica, ``pending = max(waiting, active - running)`` is what it was sent
+but has not started (vLLM's waiting queue, plus requests still being tokenized or in transit,
+since the engine's counts only move once per step). The replica may get ``allowance - pending``
+more requests than the router has in flight now, where the allowance is
 
-"Sent but not started" is ``max(waiting, active - running)``: requests still being tokenized or
-in transit count too, since the engine's counts only move once per step.
-The model's total is the sum over live replicas, shared between router replicas.
+* ``headroom`` when the engine is saturated (its batch is at ``max_num_seqs``, its KV cache nearly
+  full, or it left more than ``headroom`` requests waiting): it keeps a small queue to start
+  from at its next step and the rest waits in the router's fair queue;
+* ``max(headroom, 2 x growth)`` otherwise, ``growth`` being how many more requests it ran at its
+  latest step than at the one before: a burst ramps up as fast as the engine shows it can start
+  work (4, 8, 16, ... per step), never faster, so the waiting queue stays near ``headroom``.
+
+Completions free their slots at once (the admission controller refills them between polls), so
+the engine's batch stays full; polls only move the limit. With several router replicas each
+takes its share of the allowance.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from serve_app.routing.capacity import COLD_START_PROBE, ReplicaLoad, share
+from serve_app.routing.capacity import COLD_START_PROBE, ReplicaLoad
 
 
 class EngineFeedbackCapacity:
-    """See the module docstring; ``upper_bound`` is ``router.max_in_flight_per_model``."""
+    """See the module docstring; ``upper_bound`` is ``router.max_in_flight_per_model``.
+
+    Keeps, per replica, the running count of the engine's two latest distinct steps."""
 
     def __init__(self, headroom: int, kv_cache_high: float, upper_bound: int | None) -> None:
         self.headroom = headroom
         self.kv_cache_high = kv_cache_high
         self.upper_bound = upper_bound
+        self._steps: dict[str, tuple[int, int]] = {}  # replica -> (running, growth)
 
-    def replica_capacity(self, r: ReplicaLoad) -> int:
+    def _growth(self, r: ReplicaLoad) -> int:
+        if r.replica not in self._steps:  # first sight: no step to compare with yet
+            self._steps[r.replica] = (r.running, 0)
+            return 0
+        last, growth = self._steps[r.replica]
+        if r.running != last:  # a new engine step since the previous poll
+            growth = max(0, r.running - last)
+            self._steps[r.replica] = (r.running, growth)
+        return growth
+
+    def allowance(self, r: ReplicaLoad) -> int:
+        """Requests this replica may be sent beyond what it holds now (may be negative)."""
+        growth = self._growth(r)
         pending = max(r.waiting, r.active - r.running)
         full_batch = r.max_running > 0 and r.running >= r.max_running
         if pending > self.headroom or r.kv_cache_usage >= self.kv_cache_high or full_batch:
-            return r.running + self.headroom
-        grown = 2 * r.running
-        if r.max_running > 0:
-            grown = min(grown, r.max_running)
-        return grown + self.headroom
+            return self.headroom - pending
+        room = max(self.headroom, 2 * growth)
+        if r.max_running > 0:  # never plan past the batch limit (plus the small queue)
+            room = min(room, r.max_running + self.headroom - r.running)
+        return room - pending
 
-    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int) -> int:
+    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int, in_flight: int) -> int:
+        live = {r.replica for r in replicas}
+        for gone in [k for k in self._steps if k not in live]:
+            del self._steps[gone]
         if not replicas:
             return COLD_START_PROBE
-        total = sum(self.replica_capacity(r) for r in replicas)
-        return share(total, num_routers, self.upper_bound)
+        allowance = sum(self.allowance(r) for r in replicas)
+        share = allowance / max(1, num_routers)
+        cap = in_flight + (int(share) if share >= 0 else -int(-share))
+        if self.upper_bound is not None:
+            cap = min(cap, -(-self.upper_bound // max(1, num_routers)))
+        return max(COLD_START_PROBE, cap)

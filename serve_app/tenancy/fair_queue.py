@@ -105,13 +105,6 @@ class FairQueue(Generic[T]):
         """Add ``service`` (see :func:`service_of`) to ``tenant``'s virtual service."""
         self._service[tenant] = self._service.get(tenant, 0.0) + service
 
-    def engine_priority(self, tenant: str, band: Priority) -> int:
-        """The vLLM priority (lower runs first) of a request of ``tenant`` in ``band`` admitted
-        now: the band first, then the tenant's virtual service. Inside the engine's own waiting
-        queue this keeps the order the fair queue would have chosen (vLLM breaks ties by
-        arrival), so the few requests the router lets wait there cannot starve a quiet tenant."""
-        return engine_priority(band, self._service.get(tenant, 0.0))
-
 
 class FifoQueue(Generic[T]):
     """The baseline: one queue in arrival order, blind to tenants and priorities (what Serve's or
@@ -149,16 +142,22 @@ class FifoQueue(Generic[T]):
     def charge(self, tenant: str, service: float) -> None:
         pass
 
-    def engine_priority(self, tenant: str, band: Priority) -> int:
-        return 0  # arrival order inside the engine too
+
+def engine_priority(band: Priority, tenant_in_flight: int) -> int:
+    """vLLM priority (lower runs first) of a request released now: its band first, then how
+    many requests its tenant already has in the engines.
+
+    The few requests the router lets wait inside an engine are ordered by it, so a quiet
+    tenant's request starts at the engine's next free slot instead of behind a flood. The
+    tenant's VTC service is not used here: a tenant that was idle is lifted to the band's clock,
+    which would rank it behind every flood request released before it (measured on an H200:
+    6.7 s TTFT for the quiet tenant). vLLM breaks ties by arrival; under KV pressure it
+    preempts the running request with the largest value, so the heaviest tenant yields first.
+    """
+    return (BANDS.index(band) << _COUNT_BITS) | min(tenant_in_flight, (1 << _COUNT_BITS) - 1)
 
 
-def engine_priority(band: Priority, service: float) -> int:
-    """Band rank in the high bits, the tenant's virtual service (tokens) below it."""
-    return (BANDS.index(band) << _SERVICE_BITS) | min(int(service), (1 << _SERVICE_BITS) - 1)
-
-
-_SERVICE_BITS = 48  # 2.8e14 tokens of service before a tenant's counter saturates
+_COUNT_BITS = 32
 
 
 QueuePolicy = Literal["fair", "fifo"]

@@ -21,56 +21,66 @@ def policy(headroom=4, kv_high=0.95, bound=None) -> EngineFeedbackCapacity:
 
 
 def test_no_live_replica_lets_one_request_through_to_wake_the_model():
-    assert policy().capacity([], 1) == COLD_START_PROBE == 1
-    assert FixedCapacity(64, None).capacity([], 1) == 1
+    assert policy().capacity([], 1, 0) == COLD_START_PROBE == 1
+    assert FixedCapacity(64, None).capacity([], 1, 0) == 1
 
 
-def test_saturated_engine_gets_what_it_runs_plus_headroom():
-    # The H200 flood: the engine ran ~230 while ~280 waited FCFS inside vLLM.
-    assert policy().capacity([load(active=510, running=230, waiting=280)], 1) == 234
-
-
-def test_full_kv_cache_or_full_batch_stops_growth():
-    assert policy().capacity([load(active=100, running=100, kv=0.97)], 1) == 104
-    assert policy().capacity([load(active=512, running=512, max_running=512)], 1) == 516
-
-
-def test_hungry_engine_ramps_up_by_doubling_within_its_batch_limit():
+def test_saturated_engine_gets_only_headroom_beyond_what_it_holds():
     p = policy()
-    caps, running = [], 0
-    for _ in range(9):  # each poll the engine started everything it was sent
-        cap = p.capacity([load(active=running, running=running)], 1)
+    # The H200 flood: the engine ran ~230 while ~280 waited FCFS inside vLLM; the router had
+    # 510 out. It may send nothing until the engine's queue is back within the headroom.
+    assert p.capacity([load(active=510, running=230, waiting=280)], 1, 510) == 510 - 276
+    # Batch full, nothing waiting: completions are refilled one for one, plus the headroom.
+    assert p.capacity([load(active=512, running=512, max_running=512)], 1, 512) == 516
+    assert p.capacity([load(active=100, running=100, kv=0.97)], 1, 100) == 104
+
+
+def test_a_burst_ramps_up_at_the_pace_the_engine_starts_work():
+    p = policy()
+    in_flight, running, caps = 0, 0, []
+    for _ in range(12):
+        # The engine started everything it had been sent at its last step (up to its batch).
+        running = min(in_flight, 512)
+        cap = p.capacity([load(active=in_flight, running=running)], 1, in_flight)
         caps.append(cap)
-        running = min(cap, 512)  # the engine never runs more than max_num_seqs
-    assert caps[:4] == [4, 12, 28, 60]
-    assert caps[-1] == 516  # max_num_seqs + headroom
-    assert max(caps) == 516
+        in_flight = cap  # a deep backlog: the router fills every slot it gets
+    assert caps[:5] == [4, 12, 28, 60, 124], caps
+    assert max(caps) == 516  # max_num_seqs + headroom, never more
+
+
+def test_no_growth_without_a_new_engine_step():
+    p = policy()
+    p.capacity([load(active=40, running=40)], 1, 40)
+    first = p.capacity([load(active=80, running=80)], 1, 80)  # the engine grew by 40
+    assert first == 80 + 80
+    # Polled again within the same engine step: the 80 sent since are still pending, so the
+    # limit falls below what is out (nothing more goes) until the engine starts them.
+    assert p.capacity([load(active=160, running=80)], 1, 160) == 160 - 80 + 4
 
 
 def test_requests_in_transit_count_as_not_started():
     # 40 sent requests are still being tokenized: vLLM's own waiting says 0.
-    assert policy().capacity([load(active=140, running=100, waiting=0)], 1) == 104
+    assert policy().capacity([load(active=140, running=100, waiting=0)], 1, 140) == 104
 
 
 def test_capacity_follows_the_replicas_that_exist():
-    p = policy()
-    one = p.capacity([load(active=230, running=230, waiting=10)], 1)
-    two = p.capacity([load(active=230, running=230, waiting=10, name="a"),
-                      load(active=230, running=230, waiting=10, name="b")], 1)
-    assert two == 2 * one
+    one = policy().capacity([load(active=230, running=230)], 1, 230)
+    two = policy().capacity([load(active=230, running=230, name="a"),
+                             load(active=0, running=0, name="b")], 1, 230)
+    assert one == 234 and two == 238  # a new, idle replica adds its own allowance
 
 
-def test_router_replicas_share_the_capacity_and_the_upper_bound_holds():
-    loads = [load(active=230, running=230, waiting=10)]
-    assert policy().capacity(loads, 2) == 117
-    assert policy(bound=100).capacity(loads, 1) == 100
-    assert policy(bound=100).capacity(loads, 4) == 25
+def test_router_replicas_share_the_allowance_and_the_upper_bound_holds():
+    loads = [load(active=200, running=200)]
+    assert policy(headroom=8).capacity(loads, 2, 100) == 104
+    assert policy(bound=100).capacity(loads, 1, 200) == 100
+    assert policy(bound=100).capacity(loads, 4, 50) == 25
 
 
 def test_fixed_policy_is_per_live_replica():
     p = capacity_policy("fixed", headroom=4, kv_cache_high=0.9, fixed_per_replica=64,
                         upper_bound=None)
-    assert p.capacity([load(name="a"), load(name="b")], 1) == 128
+    assert p.capacity([load(name="a"), load(name="b")], 1, 0) == 128
 
 
 def test_admission_follows_capacity_changes_and_cold_start_expires():
@@ -91,12 +101,15 @@ def test_admission_follows_capacity_changes_and_cold_start_expires():
     asyncio.run(main())
 
 
-def test_admission_hands_out_the_fair_queues_engine_priority():
+def test_admission_ranks_engine_priority_by_band_then_tenant_in_flight():
     async def main() -> None:
         a = AdmissionController(10, 100)
-        a.queue.charge("heavy", 10_000)
+        heavy = [await a.acquire("heavy", "normal") for _ in range(5)]
         light = await a.acquire("light", "normal")
-        heavy = await a.acquire("heavy", "normal")
         high = await a.acquire("heavy", "high")
-        assert high < light < heavy
+        assert high < light < heavy[1] < heavy[4] and light == heavy[0]
+        a.release("heavy", 0)
+        assert a.tenant_in_flight == {"heavy": 5, "light": 1}
+        fifo = AdmissionController(10, 100, policy="fifo")
+        assert {await fifo.acquire(t, "high") for t in "abc"} == {0}
     asyncio.run(main())
