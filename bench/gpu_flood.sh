@@ -3,7 +3,9 @@
 # FLOOD_C concurrent non-streaming requests (1024 in / 128 out) while a quiet tenant sends one
 # streamed request at a time (128 in / 16 out). Arms: bare `vllm serve` (same engine arguments,
 # FCFS order since it gets no priorities) and the stack with two tenants. Results under $OUT.
-# usage: bench/gpu_flood.sh [CONFIG] [DURATION_S]     (env: PYTHON, FLOOD_C, ARMS="bare stack")
+# usage: bench/gpu_flood.sh [CONFIG] [DURATION_S]     (env: PYTHON, FLOOD_C, ARMS="bare stack",
+#   STACK_BENCH="serve-app bench arguments" to also run a benchmark against the same stack after
+#   its flood, with the flood tenant's key: saves a second engine start)
 set -uo pipefail
 CONFIG=${1:-deployments/gpu-1.yaml}; DUR=${2:-60}
 PY=${PYTHON:-python3}
@@ -72,7 +74,13 @@ for arm in ${ARMS:-bare stack}; do
       > "$DIR/stack-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \
-      flood http://127.0.0.1:8000 stack "--flood-key $FLOOD_KEY --quiet-key $QUIET_KEY" "$(ray_metrics_urls)"
+      flood http://127.0.0.1:8000 stack "--flood-key $FLOOD_KEY --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" && \
+      if [ -n "${STACK_BENCH:-}" ]; then
+        $PY -m serve_app.cli bench --base-url http://127.0.0.1:8000 --model "$MODEL" \
+          --tenant "flood:$FLOOD_KEY:1" $STACK_BENCH --quiet --out "$DIR/stack-bench" \
+          > "$DIR/stack-bench.log" 2>&1
+        grep -A6 "^## Runs" "$DIR/stack-bench/summary.md" || tail -n 20 "$DIR/stack-bench.log"
+      fi
   fi
   stop $PID
   echo "$arm arm took $(( $(date +%s) - T0 ))s"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from serve_app.config import Priority
-from serve_app.tenancy.fair_queue import QUEUE_POLICIES, FairQueue, engine_priority
+from serve_app.tenancy.fair_queue import BANDS, QUEUE_POLICIES, FairQueue, engine_priority
 
 
 class QueueFull(Exception):
@@ -44,9 +44,15 @@ class AdmissionController:
 
     def __init__(self, capacity: int, max_queued: int,
                  on_change: Callable[[AdmissionController], None] | None = None,
-                 policy: str = "fair") -> None:
+                 policy: str = "fair", first_request_slots: int = 0) -> None:
         """``on_change`` is called whenever the queue grows or shrinks (metrics); ``policy``
-        names the queue order (:data:`~serve_app.tenancy.fair_queue.QUEUE_POLICIES`)."""
+        names the queue order (:data:`~serve_app.tenancy.fair_queue.QUEUE_POLICIES`).
+
+        ``first_request_slots``: a tenant with nothing in flight gets its request in at once,
+        even at capacity, as long as no higher band waits and the model is at most this many
+        over capacity. Its engine priority then puts it first in the engine's own queue, so a
+        quiet tenant's request starts at the engine's next step instead of after the next
+        completion plus a poll (fair policy only)."""
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
@@ -56,6 +62,7 @@ class AdmissionController:
         self.queue: FairQueue[_Waiter] = QUEUE_POLICIES[policy]()
         # The FIFO baseline stays FIFO inside the engine too (every request priority 0).
         self._prioritize = policy == "fair"
+        self.first_request_slots = first_request_slots if self._prioritize else 0
         self._on_change = on_change or (lambda _: None)
         # Set while requests wait for a slot: the engine feed polls at once instead of on its
         # timer, so capacity catches up with a burst within one engine step.
@@ -72,6 +79,10 @@ class AdmissionController:
         :class:`NoReplicaInTime` from :meth:`expire_waiting`. Cancellation while waiting (client
         gone) leaves nothing behind."""
         if self.in_flight < self.capacity and not len(self.queue):
+            return self._grant(tenant, band)
+        if (not self.tenant_in_flight.get(tenant)
+                and self.in_flight < self.capacity + self.first_request_slots
+                and not any(self.queue.waiting(b) for b in BANDS[:BANDS.index(band)])):
             return self._grant(tenant, band)
         if self.queue.waiting(band) >= self.max_queued:
             raise QueueFull(band)

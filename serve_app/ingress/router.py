@@ -152,7 +152,8 @@ class OpenAIRouter:
         self.admission = {
             m.name: AdmissionController(COLD_START_PROBE, self.settings.max_queued_per_band,
                                         functools.partial(self.gate.queue_changed, m.name),
-                                        policy=self.settings.queue_policy)
+                                        policy=self.settings.queue_policy,
+                                        first_request_slots=self.settings.admission.headroom)
             for m in self.config.models
         }
         router_id = _router_id()

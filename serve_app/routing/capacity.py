@@ -21,7 +21,8 @@ class ReplicaLoad:
     ``active``: requests the replica is serving (tokenizing, in the engine, streaming out);
     ``running``/``waiting``: started and held-but-not-started requests in its engine, as of the
     engine's latest step; ``kv_cache_usage`` 0..1; ``max_running``: the engine's batch limit
-    (vLLM's ``max_num_seqs``, 0 if unknown).
+    (vLLM's ``max_num_seqs``, 0 if unknown); ``step_tokens``: its per-step token budget
+    (``max_num_batched_tokens``); ``prompt_tokens_avg``: its recent prompt length (0: unknown).
     """
 
     replica: str
@@ -30,13 +31,24 @@ class ReplicaLoad:
     waiting: int
     kv_cache_usage: float = 0.0
     max_running: int = 0
+    step_tokens: int = 0
+    prompt_tokens_avg: float = 0.0
+
+    @property
+    def step_intake(self) -> int:
+        """About how many waiting prompts one engine step can start (0: unknown)."""
+        if self.step_tokens <= 0 or self.prompt_tokens_avg <= 0:
+            return 0
+        return int(self.step_tokens // max(1.0, self.prompt_tokens_avg))
 
     @classmethod
     def from_report(cls, report: dict) -> ReplicaLoad:
         return cls(replica=str(report["replica"]), active=int(report["active"]),
                    running=int(report["running"]), waiting=int(report["waiting"]),
                    kv_cache_usage=float(report.get("kv_cache_usage", 0.0)),
-                   max_running=int(report.get("max_running", 0)))
+                   max_running=int(report.get("max_running", 0)),
+                   step_tokens=int(report.get("step_tokens", 0)),
+                   prompt_tokens_avg=float(report.get("prompt_tokens_avg", 0.0)))
 
 
 class CapacityPolicy(Protocol):

@@ -9,10 +9,13 @@ but has not started (vLLM's waiting queue, plus requests still being tokenized o
 since the engine's counts only move once per step). The replica may get ``allowance - pending``
 more requests than the router has in flight now, where the allowance is
 
-* ``headroom`` when the engine is saturated (its batch is at ``max_num_seqs``, its KV cache nearly
-  full, or it left more than ``headroom`` requests waiting): it keeps a small queue to start
-  from at its next step and the rest waits in the router's fair queue;
-* ``max(headroom, 2 x growth)`` otherwise, ``growth`` being how many more requests it ran at its
+* ``queue`` when the engine is saturated (its batch is at ``max_num_seqs``, its KV cache nearly
+  full, or it holds more than ``queue`` requests it has not started): it keeps a small queue to
+  start from at its next step and the rest waits in the router's fair queue. ``queue`` is
+  ``headroom``, or one step's worth of prompts when that is more (``max_num_batched_tokens`` /
+  recent prompt length: 8 prompts of 1,024 tokens on an H200), so chunked prefill can fill every
+  step's token budget from the engine's own queue;
+* ``max(queue, 2 x growth)`` otherwise, ``growth`` being how many more requests it ran at its
   latest step than at the one before: a burst ramps up as fast as the engine shows it can start
   work (4, 8, 16, ... per step), never faster, so the waiting queue stays near ``headroom``.
 
@@ -52,13 +55,14 @@ class EngineFeedbackCapacity:
     def allowance(self, r: ReplicaLoad) -> int:
         """Requests this replica may be sent beyond what it holds now (may be negative)."""
         growth = self._growth(r)
+        queue = max(self.headroom, r.step_intake)
         pending = max(r.waiting, r.active - r.running)
         full_batch = r.max_running > 0 and r.running >= r.max_running
-        if pending > self.headroom or r.kv_cache_usage >= self.kv_cache_high or full_batch:
-            return self.headroom - pending
-        room = max(self.headroom, 2 * growth)
+        if pending > queue or r.kv_cache_usage >= self.kv_cache_high or full_batch:
+            return queue - pending
+        room = max(queue, 2 * growth)
         if r.max_running > 0:  # never plan past the batch limit (plus the small queue)
-            room = min(room, r.max_running + self.headroom - r.running)
+            room = min(room, r.max_running + queue - r.running)
         return room - pending
 
     def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int, in_flight: int) -> int:

@@ -113,3 +113,50 @@ def test_admission_ranks_engine_priority_by_band_then_tenant_in_flight():
         fifo = AdmissionController(10, 100, policy="fifo")
         assert {await fifo.acquire(t, "high") for t in "abc"} == {0}
     asyncio.run(main())
+
+
+def test_engine_queue_holds_one_steps_worth_of_prompts():
+    """Regression (H200 flood): a fixed queue of 4 let the engine start 4 prompts per step when
+    its 8,192-token budget had room for 8 of 1,024 tokens."""
+    r = ReplicaLoad("r0", active=300, running=292, waiting=8, max_running=512, step_tokens=8192,
+                    prompt_tokens_avg=1024.0)
+    assert r.step_intake == 8
+    p = policy()
+    p.capacity([r], 1, 300)
+    assert p.capacity([r], 1, 300) == 300  # 8 pending = one step's worth: keep, don't grow
+    short = ReplicaLoad("r1", active=100, running=100, waiting=0, max_running=512,
+                        step_tokens=8192, prompt_tokens_avg=128.0)
+    assert policy().capacity([short], 1, 100) == 100 + 64
+
+
+def test_a_tenant_with_nothing_in_flight_gets_in_at_capacity():
+    async def main() -> None:
+        a = AdmissionController(2, 100, first_request_slots=1)
+        await a.acquire("flood", "normal")
+        flood_second = await a.acquire("flood", "normal")
+        waiting = asyncio.ensure_future(a.acquire("flood", "normal"))
+        await asyncio.sleep(0)
+        assert a.queued() == 1
+        quiet = await asyncio.wait_for(a.acquire("quiet", "normal"), 1)  # at once
+        assert quiet < flood_second and a.in_flight == 3  # and first in the engine's queue
+        # ... but only one request per idle tenant, and never past the extra slots.
+        second = asyncio.ensure_future(a.acquire("quiet", "normal"))
+        other = asyncio.ensure_future(a.acquire("other", "normal"))
+        await asyncio.sleep(0)
+        assert not second.done() and not other.done() and a.queued() == 3
+        # Never ahead of a higher band that waits.
+        high = asyncio.ensure_future(a.acquire("flood", "high"))
+        await asyncio.sleep(0)
+        a.release("flood", 0)  # in_flight 2: room for one more first request, but high waits
+        idle = asyncio.ensure_future(a.acquire("idle", "low"))
+        await asyncio.sleep(0)
+        assert not idle.done() and not high.done() and a.in_flight == 2
+        a.set_capacity(3)
+        await asyncio.sleep(0)
+        assert high.done() and not idle.done()
+        idle.cancel()
+        fifo = AdmissionController(2, 100, policy="fifo", first_request_slots=1)
+        assert fifo.first_request_slots == 0
+        for t in (waiting, second, other):
+            t.cancel()
+    asyncio.run(main())
