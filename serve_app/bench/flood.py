@@ -46,21 +46,29 @@ def _pct(values: list[float], q: float) -> float:
 async def _flood_worker(session: aiohttp.ClientSession, url: str, model: str, key: str | None,
                         n_in: int, n_out: int, stop_at: float, rng: random.Random,
                         acc: dict[str, Any], ids: tuple[int, int]) -> None:
+    """Keep one flood request in flight until ``stop_at``; the one still running then is cut
+    off (the client goes away), so the run ends on time and counts only what finished."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    while time.monotonic() < stop_at:
+
+    async def one() -> None:
         body = {"model": model, "prompt": _prompt(n_in, rng, ids), "max_tokens": n_out,
                 "ignore_eos": True, "temperature": 0.0}
+        async with session.post(url, json=body, headers=headers) as r:
+            data = await r.json(content_type=None)
+            if r.status == 200:
+                acc["ok"] += 1
+                acc["tokens"] += data["usage"]["completion_tokens"]
+            else:
+                acc["errors"][str(r.status)] = acc["errors"].get(str(r.status), 0) + 1
+                await asyncio.sleep(0.05)
+
+    while (left := stop_at - time.monotonic()) > 0:
         try:
-            async with session.post(url, json=body, headers=headers) as r:
-                data = await r.json(content_type=None)
-                if r.status == 200:
-                    acc["ok"] += 1
-                    if time.monotonic() <= stop_at:
-                        acc["tokens"] += data["usage"]["completion_tokens"]
-                else:
-                    acc["errors"][str(r.status)] = acc["errors"].get(str(r.status), 0) + 1
-                    await asyncio.sleep(0.05)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            await asyncio.wait_for(one(), left)
+        except asyncio.TimeoutError:
+            acc["cut"] += 1
+            return
+        except aiohttp.ClientError as err:
             acc["errors"][type(err).__name__] = acc["errors"].get(type(err).__name__, 0) + 1
             await asyncio.sleep(0.05)
 
@@ -75,21 +83,26 @@ async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, ke
         body = {"model": model, "prompt": _prompt(n_in, rng, ids), "max_tokens": n_out,
                 "ignore_eos": True, "temperature": 0.0, "stream": True}
         t0 = time.monotonic()
-        first = None
-        try:
+        first: list[float] = []
+
+        async def one() -> None:
             async with session.post(url, json=body, headers=headers) as r:
                 if r.status != 200:
                     errors[str(r.status)] = errors.get(str(r.status), 0) + 1
                     await r.read()
                     await asyncio.sleep(0.1)
-                    continue
+                    return
                 async for line in r.content:
-                    if first is None and line.startswith(b"data: {"):
-                        first = time.monotonic() - t0
-            if first is not None:
-                ttfts.append(first)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                    if not first and line.startswith(b"data: {"):
+                        first.append(time.monotonic() - t0)
+
+        try:
+            await asyncio.wait_for(one(), max(0.001, stop_at - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass  # cut off at the end of the run; a first token already seen still counts
+        except aiohttp.ClientError as err:
             errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
+        ttfts.extend(first)
         await asyncio.sleep(0.05)  # one at a time, a short think time
 
 
@@ -127,7 +140,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await _quiet_worker(session, url, args.model, args.quiet_key, args.quiet_in,
                             args.quiet_out, t0, t0 + args.alone_s, rng, alone, alone_err, ids)
         # Then the flood, with the quiet tenant beside it once the flood has built up.
-        acc: dict[str, Any] = {"ok": 0, "tokens": 0, "errors": {}}
+        acc: dict[str, Any] = {"ok": 0, "tokens": 0, "errors": {}, "cut": 0}
         quiet: list[float] = []
         quiet_err: dict[str, int] = {}
         samples: list[dict[str, float]] = []
@@ -154,7 +167,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                       "mean": round(statistics.fmean(ms(quiet)), 1) if quiet
                                       else None, "errors": quiet_err},
         "flood": {"completed": acc["ok"], "output_tok_s": round(acc["tokens"] / elapsed, 1),
-                  "errors": acc["errors"]},
+                  "cut_at_end": acc["cut"], "errors": acc["errors"]},
         "engines": {"samples": len(during),
                     "running_median": _pct([s["running"] for s in during], 0.5),
                     "waiting_median": _pct([s["waiting"] for s in during], 0.5),

@@ -13,8 +13,8 @@ more requests than the router has in flight now, where the allowance is
   full, or it holds more than ``queue`` requests it has not started): it keeps a small queue to
   start from at its next step and the rest waits in the router's fair queue. ``queue`` is
   ``headroom``, or one step's worth of prompts when that is more (``max_num_batched_tokens`` /
-  recent prompt length: 8 prompts of 1,024 tokens on an H200), so chunked prefill can fill every
-  step's token budget from the engine's own queue;
+  recent prompt length: 8 prompts of 1,024 tokens on an H200, but never more than the batch has
+  free places), so chunked prefill can fill every step's token budget from the engine's queue;
 * ``max(queue, 2 x growth)`` otherwise, ``growth`` being how many more requests it ran at its
   latest step than at the one before: a burst ramps up as fast as the engine shows it can start
   work (4, 8, 16, ... per step), never faster, so the waiting queue stays near ``headroom``.
@@ -55,9 +55,14 @@ class EngineFeedbackCapacity:
     def allowance(self, r: ReplicaLoad) -> int:
         """Requests this replica may be sent beyond what it holds now (may be negative)."""
         growth = self._growth(r)
-        queue = max(self.headroom, r.step_intake)
-        pending = max(r.waiting, r.active - r.running)
         full_batch = r.max_running > 0 and r.running >= r.max_running
+        # One step's worth of prompts, but no more than the batch has free places: a request
+        # beyond those cannot start at the next step anyway.
+        intake = r.step_intake
+        if r.max_running > 0:
+            intake = min(intake, r.max_running - r.running)
+        queue = max(self.headroom, intake)
+        pending = max(r.waiting, r.active - r.running)
         if pending > queue or r.kv_cache_usage >= self.kv_cache_high or full_batch:
             return queue - pending
         room = max(queue, 2 * growth)

@@ -160,3 +160,11 @@ def test_a_tenant_with_nothing_in_flight_gets_in_at_capacity():
         for t in (waiting, second, other):
             t.cancel()
     asyncio.run(main())
+
+
+def test_short_prompts_do_not_flood_a_full_batch():
+    # 2,048-token steps and 5-token prompts: "one step's worth" would be 400 requests, but a
+    # full batch starts only as many as finish; the engine queue stays at the headroom.
+    r = ReplicaLoad("r0", active=8, running=8, waiting=0, max_running=8, step_tokens=2048,
+                    prompt_tokens_avg=5.0)
+    assert policy().capacity([r], 1, 8) == 8 + 4
