@@ -15,7 +15,12 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "tiny-llama"
 MODEL = "tiny-llama"
 DEFAULT_TENANT = "team-a"
-IN_FLIGHT = 4  # router.max_in_flight_per_model of the shared stack
+# The shared stack's engine runs at most ENGINE_BATCH requests (max_num_seqs) and the router lets
+# HEADROOM more wait inside it, so floods of a few dozen requests saturate it and the backlog
+# waits in the router's fair queue, as on a GPU under load.
+ENGINE_BATCH = 8
+HEADROOM = 2
+IN_FLIGHT = ENGINE_BATCH + HEADROOM
 # Tenants of the shared stack: the default one the tests act as, a second unlimited one, and
 # tenants whose limits the tenancy tests run into (each test owns its limited tenant).
 TENANTS: dict[str, dict] = {
@@ -59,14 +64,20 @@ def stack(tiny_model_path):
     keys = {name: new_key() for name in TENANTS}
     tenants = [TenantSettings(name=name, api_key_sha256=[key_digest(keys[name])], **limits)
                for name, limits in TENANTS.items()]
-    # A small in-flight cap so the router's fair queue is exercised by the whole suite.
-    router = cfg.router.model_copy(update={"port": port, "max_in_flight_per_model": IN_FLIGHT})
-    cfg = cfg.model_copy(update={"router": router, "tenants": tenants})
+    # A small engine batch so the router's fair queue and admission are exercised by the suite.
+    model = cfg.models[0]
+    model = model.model_copy(update={"engine_kwargs": {**model.engine_kwargs,
+                                                       "max_num_seqs": ENGINE_BATCH}})
+    router = cfg.router.model_copy(update={
+        "port": port, "admission": cfg.router.admission.model_copy(
+            update={"headroom": HEADROOM, "poll_interval_s": 0.05})})
+    cfg = cfg.model_copy(update={"router": router, "tenants": tenants, "models": [model]})
     for key, value in ray_env(cfg).items():  # the same data plane as `serve-app run`
         os.environ[key] = value
     # As `serve-app run` starts it: with the dashboard, whose head writes the Prometheus
     # service-discovery file the committed scrape config reads.
-    ray.init(num_cpus=2, dashboard_host="127.0.0.1", log_to_driver=False)
+    # Logical CPUs: the autoscaling tests add a second app whose engines take one each.
+    ray.init(num_cpus=4, dashboard_host="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
@@ -84,11 +95,21 @@ def stack(tiny_model_path):
     else:
         pytest.fail("the app did not become ready in 300 s")
     server = serve.get_deployment_handle(llm_server_name(MODEL), app_name=APP_NAME)
-    yield {"base": base, "server": server, "model": MODEL, "path": tiny_model_path,
+    router_handle = serve.get_deployment_handle("Router", app_name=APP_NAME)
+    yield {"base": base, "server": server, "router": router_handle, "model": MODEL,
+           "path": tiny_model_path,
            "keys": keys, "key": keys[DEFAULT_TENANT],
            "headers": {"Authorization": f"Bearer {keys[DEFAULT_TENANT]}"}}
+    # However the suite went, the router must hold nothing at its end: a leaked admission slot
+    # (in flight with no request behind it) would throttle the model forever.
+    state = router_handle.admission_state.remote().result(timeout_s=30)[MODEL]
+    deadline = time.time() + 60
+    while (state["in_flight"] or state["queued"]) and time.time() < deadline:
+        time.sleep(0.2)
+        state = router_handle.admission_state.remote().result(timeout_s=30)[MODEL]
     serve.shutdown()
     ray.shutdown()
+    assert state["in_flight"] == 0 and state["queued"] == 0, f"router leaked: {state}"
 
 
 @pytest.fixture
@@ -100,3 +121,20 @@ def client(stack):
 def engine_load(stack) -> dict[str, int]:
     return stack["server"].engine_load.remote().result(timeout_s=30)
 
+
+
+def admission_state(stack) -> dict:
+    """The router's admission view of the model: in_flight, queued, capacity, replicas, ..."""
+    return stack["router"].admission_state.remote().result(timeout_s=30)[stack["model"]]
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
+    """Poll ``predicate`` until it returns a truthy value (returned) or fail after timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(interval_s)

@@ -1,5 +1,6 @@
 """A client that goes away mid-request stops the engine's work within a second or two."""
 
+import asyncio
 import time
 
 import httpx
@@ -67,3 +68,57 @@ def test_service_answers_after_disconnects(client, stack):
     r = client.post("/v1/completions", json={"model": stack["model"], "prompt": "ok",
                                               "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "Same HAProxy gap as above, for requests waiting in the router's queue: under the default "
+    "data plane the client's disconnect of a request whose response has not started is not "
+    "delivered to the router replica (measured: 0 of 20 streamed requests left the queue "
+    "within 10 s; they run when their turn comes, bounded by max_tokens). The router watches "
+    "the client from arrival (ingress/router.py), which works where the disconnect arrives; "
+    "delivery under HAProxy belongs to the reliability issue."))
+def test_queued_clients_that_leave_free_their_places_at_once(stack):
+    """Twenty clients waiting in the router's queue go away: within 2 s the queue holds none of
+    them and the one that had got in (a tenant's first request) no longer holds a slot."""
+    from .conftest import IN_FLIGHT, admission_state, wait_until
+
+    async def main() -> float:
+        headers_a = {"Authorization": f"Bearer {stack['keys']['team-a']}"}
+        headers_c = {"Authorization": f"Bearer {stack['keys']['team-c']}"}
+        body = {"model": stack["model"], "prompt": "x", "max_tokens": 1900, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=stack["base"], timeout=600) as client:
+            flood = [asyncio.create_task(client.post("/v1/completions", json={
+                **body, "stream": True}, headers=headers_a)) for _ in range(IN_FLIGHT + 5)]
+            base = await asyncio.to_thread(  # the engine is full and the rest waits
+                wait_until, lambda: (s := admission_state(stack))["in_flight"] >= IN_FLIGHT
+                and s["queued"] >= 3 and s, 60)
+            # Streamed requests: the router hears of a stream's client going away even before
+            # the response starts (non-streaming ones under HAProxy: see the xfail above).
+            leaving = [asyncio.create_task(client.post("/v1/completions", json={
+                **body, "stream": True}, headers=headers_c)) for _ in range(20)]
+            seen: list = []
+            try:
+                await asyncio.to_thread(
+                    wait_until, lambda: seen.append(admission_state(stack)) or
+                    seen[-1]["queued"] >= base["queued"] + 18, 30)
+            except AssertionError:
+                raise AssertionError(f"base {base}, now {seen[-1]}, "
+                                     f"{[t for t in leaving if t.done()][:1]}") from None
+            in_flight = (await asyncio.to_thread(admission_state, stack))["in_flight"]
+            for task in leaving:
+                task.cancel()
+            t0 = time.monotonic()
+            await asyncio.gather(*leaving, return_exceptions=True)
+            await asyncio.to_thread(
+                wait_until, lambda: (s := admission_state(stack))["queued"] <= base["queued"]
+                and s["in_flight"] <= in_flight - 1, 10, 0.02)
+            elapsed = time.monotonic() - t0
+            for task in flood:
+                task.cancel()
+            await asyncio.gather(*flood, return_exceptions=True)
+        return elapsed
+
+    elapsed = asyncio.run(main())
+    assert elapsed < 2.0, f"queued clients' places were freed after {elapsed:.2f} s"
+    load = _wait_idle(stack, 10)
+    assert load["unfinished"] == 0 and load["running"] == 0, load

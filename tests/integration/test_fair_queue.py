@@ -1,17 +1,21 @@
-"""Fair queuing on the real stack: with the model at its in-flight cap (4 in the suite), one
-tenant's backlog does not delay another tenant's request behind all of it, and a high-priority
-tenant's request goes before every waiting normal one."""
+"""Fair queuing and admission on the real stack. The engine runs at most ENGINE_BATCH requests
+and the router lets HEADROOM more wait inside it (conftest), so a flood saturates the engine and
+its backlog waits in the router: there one tenant's backlog does not delay another tenant's
+request behind all of it, a high-priority tenant goes before every waiting normal request, and
+the engine's own waiting queue stays near empty."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
 
-from .conftest import IN_FLIGHT
+from .conftest import ENGINE_BATCH, HEADROOM, IN_FLIGHT, admission_state, wait_until
 
-FLOOD = 16  # team-a's backlog: four times the cap
+FLOOD = 3 * IN_FLIGHT  # team-a's backlog: about two batches wait in the router
+LONG = 256  # tokens per request: long enough that a batch takes a few seconds on the CPU
 
 
 async def _timed(client: httpx.AsyncClient, stack, tenant: str, done: list, max_tokens: int):
@@ -22,48 +26,82 @@ async def _timed(client: httpx.AsyncClient, stack, tenant: str, done: list, max_
     done.append((tenant, time.monotonic()))
 
 
-def _finished_before(done: list, tenant: str, other: str) -> int:
-    t_end = next(t for name, t in done if name == tenant)
-    return sum(1 for name, t in done if name == other and t < t_end)
+def _queued_at_least(stack, n: int):
+    return lambda: admission_state(stack)["queued"] >= n
 
 
-def _run_with_late_tenant(stack, late_tenant: str) -> list:
+def _run_flood_then(stack, late: list[str]) -> list:
+    """team-a floods; once its backlog waits in the router and a batch has just completed (so
+    the next completions are a batch's length away), the tenants in ``late`` each send one
+    request, in that order, a few milliseconds apart."""
     async def main() -> list:
         done: list = []
-        async with httpx.AsyncClient(base_url=stack["base"], timeout=300) as client:
-            flood = [asyncio.create_task(_timed(client, stack, "team-a", done, 256))
+        async with httpx.AsyncClient(base_url=stack["base"], timeout=600) as client:
+            flood = [asyncio.create_task(_timed(client, stack, "team-a", done, LONG))
                      for _ in range(FLOOD)]
-            await asyncio.sleep(1.0)  # team-a's backlog is queued in the router
-            await _timed(client, stack, late_tenant, done, 256)
-            await asyncio.gather(*flood)
+            state = await asyncio.to_thread(
+                wait_until, lambda: (s := admission_state(stack))["queued"]
+                >= FLOOD - IN_FLIGHT - 2 and s, 60)
+            await asyncio.to_thread(
+                wait_until, lambda: admission_state(stack)["queued"] < state["queued"], 60, 0.02)
+            others = []
+            for tenant in late:
+                others.append(asyncio.create_task(_timed(client, stack, tenant, done, LONG)))
+                await asyncio.sleep(0.005)  # keeps the arrival order
+            await asyncio.gather(*flood, *others)
         return done
     return asyncio.run(main())
 
 
 def test_a_backlogged_tenant_does_not_starve_another(stack):
-    done = _run_with_late_tenant(stack, "team-c")
-    ahead = _finished_before(done, "team-c", "team-a")
-    # FCFS would finish all of team-a's queued requests first (>= FLOOD - IN_FLIGHT); the fair
-    # queue gives team-c the next free slot, so it finishes about with the batch it joins.
-    assert ahead <= 2 * IN_FLIGHT, f"{ahead} of team-a's requests finished first"
+    done = _run_flood_then(stack, ["team-c"])
+    t_end = next(t for name, t in done if name == "team-c")
+    ahead = sum(1 for name, t in done if name == "team-a" and t < t_end)
+    # FCFS would finish all of team-a's queued requests first (>= FLOOD - IN_FLIGHT = 20); the
+    # fair queue lets team-c in at once (it has nothing in flight), so it finishes about with
+    # the batch it joins.
+    assert ahead <= IN_FLIGHT, f"{ahead} of team-a's requests finished first"
 
 
-def test_high_priority_goes_before_waiting_normal_requests(stack):
-    done = _run_with_late_tenant(stack, "team-b")  # team-b is the high-priority tenant
-    ahead = _finished_before(done, "team-b", "team-a")
-    assert ahead <= 2 * IN_FLIGHT, f"{ahead} of team-a's requests finished first"
+def test_high_priority_goes_before_every_waiting_normal_request(stack):
+    """team-c (normal) queues three requests, then team-b (high) three. Bands put all of
+    team-b's before team-c's waiting ones; fairness alone would alternate them (checked by
+    running this with team-b made normal: 3 of team-c's finished before team-b's last)."""
+    samples: list[dict] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append(admission_state(stack))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        done = _run_flood_then(stack, ["team-c"] * 3 + ["team-b"] * 3)
+    finally:
+        stop.set()
+        sampler.join()
+    last_b = max(t for name, t in done if name == "team-b")
+    c_before = sum(1 for name, t in done if name == "team-c" and t < last_b)
+    # team-c's first request gets in at once (first request of an idle tenant); none of its
+    # waiting ones may go before team-b's.
+    assert c_before <= 1, f"{c_before} of team-c's requests finished before team-b's last"
+    # While saturated, the backlog waited in the router, not in the engine.
+    busy = [s for s in samples if s["queued"] > 0]
+    assert busy, "the flood never queued in the router"
+    assert max(s["engine_running"] for s in busy) <= ENGINE_BATCH
+    waiting = sorted(s["engine_waiting"] for s in busy)
+    # Typically the headroom plus the first requests of idle tenants let in at capacity; for an
+    # instant after a batch completes, the requests refilling its places (never the backlog,
+    # which is 20 here and would all wait inside vLLM without the router's admission).
+    assert waiting[len(waiting) // 2] <= 2 * HEADROOM, waiting
+    assert waiting[-1] <= ENGINE_BATCH + 2 * HEADROOM, waiting
 
 
-def test_router_queue_drains(stack):
-    # Nothing is left waiting or holding a slot once the floods are over: a full cap of
-    # concurrent requests is admitted at once.
-    async def main() -> float:
-        async with httpx.AsyncClient(base_url=stack["base"], timeout=120,
-                                     headers=stack["headers"]) as client:
-            t0 = time.monotonic()
-            rs = await asyncio.gather(*[client.post("/v1/completions", json={
-                "model": stack["model"], "prompt": "x", "max_tokens": 2})
-                for _ in range(IN_FLIGHT)])
-            assert all(r.status_code == 200 for r in rs)
-            return time.monotonic() - t0
-    assert asyncio.run(main()) < 30
+def test_no_admission_slot_leaks(stack):
+    """After floods, disconnects and errors, the router holds exactly nothing: a single leaked
+    slot would show as in_flight == 1 here."""
+    state = wait_until(lambda: (s := admission_state(stack))["in_flight"] == 0
+                       and s["queued"] == 0 and s, 60)
+    assert state["replicas"] == 1 and state["capacity"] >= 1
