@@ -85,7 +85,7 @@ def test_queued_clients_that_leave_free_their_places_at_once(stack):
     async def main() -> float:
         headers_a = {"Authorization": f"Bearer {stack['keys']['team-a']}"}
         headers_c = {"Authorization": f"Bearer {stack['keys']['team-c']}"}
-        body = {"model": stack["model"], "prompt": "x", "max_tokens": 1900, "ignore_eos": True}
+        body = {"model": stack["model"], "prompt": "x", "max_tokens": 600, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=stack["base"], timeout=600) as client:
             flood = [asyncio.create_task(client.post("/v1/completions", json={
                 **body, "stream": True}, headers=headers_a)) for _ in range(IN_FLIGHT + 5)]
