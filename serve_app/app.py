@@ -14,14 +14,19 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from serve_app.config import DEFAULT_CONFIG, AppConfig, ModelSettings, load_config
+from serve_app.config import (
+    DEFAULT_CONFIG,
+    DEFAULT_DRAIN_TIMEOUT_S,
+    AppConfig,
+    ModelSettings,
+    load_config,
+)
 from serve_app.engine.placement import replica_placement
 from serve_app.engine.server import DEFAULT_ENGINE_CLASS, LLMServer
 from serve_app.ingress.router import OpenAIRouter
 
 APP_NAME = "llm"
-# A long stream must be able to finish while its replica drains (Serve's default is 20 s).
-GRACEFUL_SHUTDOWN_S = 600
+GRACEFUL_SHUTDOWN_S = DEFAULT_DRAIN_TIMEOUT_S  # a model's drain_timeout_s by default
 HEALTH_CHECK_PERIOD_S = 5
 HEALTH_CHECK_TIMEOUT_S = 30
 
@@ -52,7 +57,7 @@ def llm_server_options(m: ModelSettings) -> dict[str, Any]:
         "max_ongoing_requests": m.max_ongoing_requests,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
-        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+        "graceful_shutdown_timeout_s": m.drain_timeout_s,
         **replica_placement(m).deployment_options(),
     }
     if a.min_replicas == a.max_replicas:

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 DEFAULT_MODEL_NAME = "tiny-llama"
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
+# A long stream must be able to finish while its replica drains (Serve's default is 20 s).
+DEFAULT_DRAIN_TIMEOUT_S = 600.0
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deployments" / "local-cpu.yaml"
 
 # vLLM options the schema sets itself; passing them through engine_kwargs would silently disagree.
@@ -118,6 +120,11 @@ class ModelSettings(_Strict):
         default_factory=dict, description="Environment variables of the replica (VLLM_*, OMP_*)."
     )
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    drain_timeout_s: float = Field(
+        DEFAULT_DRAIN_TIMEOUT_S, gt=0, description="How long a replica chosen to go (scale-down, redeploy) may "
+        "take to finish its streams; it gets no new requests meanwhile. Size it to the longest "
+        "generation you allow (max_model_len tokens at your slowest per-token latency).",
+    )
 
     @field_validator("name")
     @classmethod

@@ -24,6 +24,8 @@ def test_autoscaling_range():
 def test_long_streams_can_drain():
     assert llm_server_options(_settings())["graceful_shutdown_timeout_s"] == GRACEFUL_SHUTDOWN_S
     assert GRACEFUL_SHUTDOWN_S >= 300
+    opts = llm_server_options(_settings(drain_timeout_s=1800))
+    assert opts["graceful_shutdown_timeout_s"] == 1800
 
 
 def test_engine_env_goes_to_runtime_env():
