@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 DEFAULT_MODEL_NAME = "tiny-llama"
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 # A long stream must be able to finish while its replica drains (Serve's default is 20 s).
 DEFAULT_DRAIN_TIMEOUT_S = 600.0
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deployments" / "local-cpu.yaml"
@@ -228,6 +229,10 @@ class RouterSettings(_Strict):
         4096, ge=0, description="Requests one priority band may hold waiting per model; "
         "beyond it new requests of that band get 429.",
     )
+    allow_open_endpoint: bool = Field(
+        False, description="Serve a non-loopback `host` with no tenants (anyone who reaches "
+        "the port uses the GPUs without a key). Refused unless set: add `tenants:` instead.",
+    )
     high_throughput: bool = Field(
         True,
         description="Ray Serve's high-throughput data plane: HAProxy ingress instead of the "
@@ -304,6 +309,13 @@ class AppConfig(_Strict):
         dupes = sorted({n for n in tenants if tenants.count(n) > 1})
         if dupes:
             raise ValueError(f"tenant names must be unique; rename the repeated {dupes}")
+        if (not self.tenants and not self.router.allow_open_endpoint
+                and self.router.host not in LOOPBACK_HOSTS):
+            raise ValueError(
+                f"router.host is {self.router.host!r} and no tenants are configured: anyone who "
+                "reaches the port could use the model without a key. Add `tenants:` (see "
+                "`serve-app keys new TEAM`), bind `router.host: 127.0.0.1`, or set "
+                "`router.allow_open_endpoint: true` if that is really what you want")
         digests = [d for t in self.tenants for d in t.api_key_sha256]
         if len(digests) != len(set(digests)):
             raise ValueError("an API key digest is listed for more than one tenant (or twice)")

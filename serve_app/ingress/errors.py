@@ -6,12 +6,15 @@ service itself are 5xx.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -72,6 +75,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Our fault, whatever it is: an OpenAI-shaped 500 that tells the client nothing about
+        # the internals; the cause goes to the log.
+        logger.error("unhandled error serving %s %s", request.method, request.url.path,
+                     exc_info=exc)
+        return JSONResponse(error_body(500, "the server failed to handle this request; "
+                                       "retry shortly"), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

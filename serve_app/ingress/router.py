@@ -63,6 +63,10 @@ async def read_json_body(request: Request, max_bytes: int) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise OpenAIError(400, f"the request body is not valid JSON: {err}") from None
+    except RecursionError:  # e.g. thousands of nested `[`
+        raise OpenAIError(400, "the request body is nested too deeply") from None
+    except ValueError as err:  # e.g. an integer past Python's digit limit
+        raise OpenAIError(400, f"the request body has a value out of range: {err}") from None
 
 
 def parse_request(model_cls: type[RequestT], data: Any) -> RequestT:

@@ -33,6 +33,11 @@ CASES = [
     ("invalid-json", "POST", COMP, b"{not json", 400, None),
     ("json-array-body", "POST", COMP, b"[1, 2]", 400, None),
     ("empty-body", "POST", COMP, b"", 400, None),
+    # Regression: these escaped the JSON reader as plain-text 500s (RecursionError, ValueError).
+    ("deeply-nested-json", "POST", COMP, b'{"model": "tiny-llama", "prompt": ' + b"[" * 100_000
+     + b"]" * 100_000 + b"}", 400, None),
+    ("integer-past-digit-limit", "POST", COMP, b'{"model": "tiny-llama", "prompt": "x", '
+     b'"max_tokens": ' + b"9" * 5000 + b"}", 400, None),
     ("oversized-body", "POST", COMP, b'{"model": "tiny-llama", "prompt": "' + b"x" * 1_100_000
      + b'"}', 413, None),
     ("chat-no-messages", "POST", CHAT, {"model": M, "messages": []}, 400, "messages"),

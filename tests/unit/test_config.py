@@ -103,3 +103,17 @@ def test_yaml_errors(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_open_endpoint_on_a_public_address_is_refused_unless_asked_for():
+    from serve_app.config import ConfigError, parse_config
+
+    models = [{"name": "m", "path": "/m"}]
+    try:
+        parse_config({"models": models, "router": {"host": "0.0.0.0"}})
+    except ConfigError as err:
+        assert "router.host" in str(err) and "tenants" in str(err)
+    else:
+        raise AssertionError("an open endpoint on 0.0.0.0 was accepted")
+    parse_config({"models": models, "router": {"host": "0.0.0.0", "allow_open_endpoint": True}})
+    parse_config({"models": models, "router": {"host": "127.0.0.1"}})
