@@ -13,7 +13,6 @@ import asyncio
 import functools
 import json
 import logging
-import math
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -24,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from serve_app.config import AppConfig, ModelSettings
+from serve_app.config import AppConfig
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
 from serve_app.ingress.admission import AdmissionController, NoReplicaInTime, QueueFull, Slot
 from serve_app.ingress.engine_feed import EngineFeed
