@@ -10,12 +10,12 @@ since the engine's counts only move once per step). The replica may get ``allowa
 more requests than the router has in flight now, where the allowance is
 
 * ``queue`` when the engine is saturated (its batch is at ``max_num_seqs``, its KV cache nearly
-  full, or it holds more than ``queue`` requests it has not started): it keeps a small queue to
-  start from at its next step and the rest waits in the router's fair queue. ``queue`` is
-  ``headroom``, or one step's worth of prompts when that is more (``max_num_batched_tokens`` /
-  recent prompt length: 8 prompts of 1,024 tokens on an H200, but never more than the batch has
-  free places), so chunked prefill can fill every step's token budget from the engine's queue;
-* ``max(queue, 2 x growth)`` otherwise, ``growth`` being how many more requests it ran at its
+  full, or it holds more than ``queue`` requests it has not started): what its next step can
+  start (one step's budget of prompts, ``max_num_batched_tokens`` / recent prompt length, within
+  the batch's free places: 8 prompts of 1,024 tokens on an H200) plus ``headroom``, so chunked
+  prefill fills every step's token budget from the engine's own queue and the rest waits in the
+  router's fair queue;
+* ``max(queue, 2 x growth)`` otherwise (never past the free places plus ``headroom``), ``growth`` being how many more requests it ran at its
   latest step than at the one before: a burst ramps up as fast as the engine shows it can start
   work (4, 8, 16, ... per step), never faster, so the waiting queue stays near ``headroom``.
 
@@ -55,19 +55,18 @@ class EngineFeedbackCapacity:
     def allowance(self, r: ReplicaLoad) -> int:
         """Requests this replica may be sent beyond what it holds now (may be negative)."""
         growth = self._growth(r)
-        full_batch = r.max_running > 0 and r.running >= r.max_running
-        # One step's worth of prompts, but no more than the batch has free places: a request
-        # beyond those cannot start at the next step anyway.
-        intake = r.step_intake
-        if r.max_running > 0:
-            intake = min(intake, r.max_running - r.running)
-        queue = max(self.headroom, intake)
+        free = r.max_running - r.running if r.max_running > 0 else None
+        # What the next step can start: one step's budget of prompts, within the free places.
+        startable = r.step_intake
+        if free is not None:
+            startable = min(startable, free)
+        queue = startable + self.headroom
         pending = max(r.waiting, r.active - r.running)
-        if pending > queue or r.kv_cache_usage >= self.kv_cache_high or full_batch:
+        if pending > queue or r.kv_cache_usage >= self.kv_cache_high or free == 0:
             return queue - pending
         room = max(queue, 2 * growth)
-        if r.max_running > 0:  # never plan past the batch limit (plus the small queue)
-            room = min(room, r.max_running + queue - r.running)
+        if free is not None:  # never plan past the batch limit (plus the small queue)
+            room = min(room, free + self.headroom)
         return room - pending
 
     def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int, in_flight: int) -> int:

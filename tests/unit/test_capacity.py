@@ -123,10 +123,11 @@ def test_engine_queue_holds_one_steps_worth_of_prompts():
     assert r.step_intake == 8
     p = policy()
     p.capacity([r], 1, 300)
-    assert p.capacity([r], 1, 300) == 300  # 8 pending = one step's worth: keep, don't grow
+    # 8 pending = what the next step starts; plus the headroom of 4: 4 more may go.
+    assert p.capacity([r], 1, 300) == 304
     short = ReplicaLoad("r1", active=100, running=100, waiting=0, max_running=512,
                         step_tokens=8192, prompt_tokens_avg=128.0)
-    assert policy().capacity([short], 1, 100) == 100 + 64
+    assert policy().capacity([short], 1, 100) == 100 + 64 + 4
 
 
 def test_a_tenant_with_nothing_in_flight_gets_in_at_capacity():
@@ -160,6 +161,17 @@ def test_a_tenant_with_nothing_in_flight_gets_in_at_capacity():
         for t in (waiting, second, other):
             t.cancel()
     asyncio.run(main())
+
+
+def test_the_engine_never_holds_more_than_its_batch_plus_headroom():
+    """Regression (CPU suite): right after a whole batch completed, the doubling ramp allowed
+    a batch of 8 to hold 17 requests (one step's intake was counted on top of the free places)."""
+    p = policy(headroom=2)
+    p.capacity([load(active=8, running=8, max_running=8)], 1, 8)
+    r = ReplicaLoad("r0", active=0, running=0, waiting=0, max_running=8, step_tokens=2048,
+                    prompt_tokens_avg=2.0)
+    p._steps["r0"] = (0, 8)  # the previous step had grown by a whole batch
+    assert p.capacity([r], 1, 0) == 8 + 2
 
 
 def test_short_prompts_do_not_flood_a_full_batch():
