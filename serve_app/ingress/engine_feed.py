@@ -75,7 +75,7 @@ class EngineFeed:
         """Set the admission capacity from ``replicas``; returns it."""
         self.replicas = replicas
         self.polled_at = time.monotonic()
-        capacity = self.policy.capacity(replicas, self.num_routers, self.admission.in_flight)
+        capacity = self.policy.capacity(replicas, self.num_routers)
         self.admission.set_capacity(capacity)
         if not replicas:  # cold start: bound how long a request waits for the first replica
             self.admission.expire_waiting(self.settings.cold_start_timeout_s)

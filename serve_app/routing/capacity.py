@@ -54,10 +54,10 @@ class ReplicaLoad:
 class CapacityPolicy(Protocol):
     """Maps the live replicas' loads to this router replica's in-flight limit for the model."""
 
-    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int, in_flight: int) -> int:
-        """In-flight limit for one router replica, which has ``in_flight`` requests of the model
-        out now; ``replicas`` are the live ones (possibly none: the result is then 1, so one
-        request reaches Serve, which starts a replica). Called after every poll, in order."""
+    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int) -> int:
+        """In-flight limit for one router replica; ``replicas`` are the live ones (possibly
+        none: the result is then 1, so one request reaches Serve, which starts a replica).
+        Called after every poll, in order."""
         ...
 
 

@@ -5,9 +5,9 @@ is depends on prompt lengths and memory, so no fixed number fits (measured on an
 of 512 = ``max_num_seqs`` left about 270 requests waiting FCFS inside vLLM while it ran about 230).
 
 After each poll, per replica, ``pending = max(waiting, active - running)`` is what it was sent
-but has not started (vLLM's waiting queue, plus requests still being tokenized or in transit,
-since the engine's counts only move once per step). The replica may get ``allowance - pending``
-more requests than the router has in flight now, where the allowance is
+but has not started (vLLM's waiting queue, plus requests still being tokenized, since the
+engine's counts only move once per step). The replica's engine may hold ``running + room``
+requests, where the room is
 
 * ``queue`` when the engine is saturated (its batch is at ``max_num_seqs``, its KV cache nearly
   full, or it holds more than ``queue`` requests it has not started): what its next step can
@@ -15,26 +15,29 @@ more requests than the router has in flight now, where the allowance is
   the batch's free places: 8 prompts of 1,024 tokens on an H200) plus ``headroom``, so chunked
   prefill fills every step's token budget from the engine's own queue and the rest waits in the
   router's fair queue;
-* ``max(queue, 2 x growth)`` otherwise (never past the free places plus ``headroom``), ``growth`` being how many more requests it ran at its
-  latest step than at the one before: a burst ramps up as fast as the engine shows it can start
+* ``max(queue, 2 x growth)`` otherwise (never past the free places plus ``headroom``),
+  ``growth`` being how many more requests it ran at its latest step than at the one before: a burst ramps up as fast as the engine shows it can start
   work (4, 8, 16, ... per step), never faster, so the waiting queue stays near ``headroom``.
 
-Completions free their slots at once (the admission controller refills them between polls), so
-the engine's batch stays full; polls only move the limit. With several router replicas each
-takes its share of the allowance.
+The limit is absolute (what the engines run plus their small queues), not relative to what the
+router has out: requests that finished in the engine but whose responses are still being sent
+count in the router until they end, and a relative limit counted their places twice (measured:
+a batch of 8 holding 17). Completions free their slots when their responses end (the admission
+controller refills them between polls). With several router replicas each takes its share.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from serve_app.routing.capacity import COLD_START_PROBE, ReplicaLoad
+from serve_app.routing.capacity import COLD_START_PROBE, ReplicaLoad, share
 
 
 class EngineFeedbackCapacity:
     """See the module docstring; ``upper_bound`` is ``router.max_in_flight_per_model``.
 
     Keeps, per replica, the running count of the engine's two latest distinct steps."""
+
 
     def __init__(self, headroom: int, kv_cache_high: float, upper_bound: int | None) -> None:
         self.headroom = headroom
@@ -52,8 +55,8 @@ class EngineFeedbackCapacity:
             self._steps[r.replica] = (r.running, growth)
         return growth
 
-    def allowance(self, r: ReplicaLoad) -> int:
-        """Requests this replica may be sent beyond what it holds now (may be negative)."""
+    def replica_target(self, r: ReplicaLoad) -> int:
+        """Requests this replica's engine should hold now: what it runs plus what it may wait."""
         growth = self._growth(r)
         free = r.max_running - r.running if r.max_running > 0 else None
         # What the next step can start: one step's budget of prompts, within the free places.
@@ -63,21 +66,17 @@ class EngineFeedbackCapacity:
         queue = startable + self.headroom
         pending = max(r.waiting, r.active - r.running)
         if pending > queue or r.kv_cache_usage >= self.kv_cache_high or free == 0:
-            return queue - pending
+            return r.running + queue
         room = max(queue, 2 * growth)
         if free is not None:  # never plan past the batch limit (plus the small queue)
             room = min(room, free + self.headroom)
-        return room - pending
+        return r.running + room
 
-    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int, in_flight: int) -> int:
+    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int) -> int:
         live = {r.replica for r in replicas}
         for gone in [k for k in self._steps if k not in live]:
             del self._steps[gone]
         if not replicas:
             return COLD_START_PROBE
-        allowance = sum(self.allowance(r) for r in replicas)
-        share = allowance / max(1, num_routers)
-        cap = in_flight + (int(share) if share >= 0 else -int(-share))
-        if self.upper_bound is not None:
-            cap = min(cap, -(-self.upper_bound // max(1, num_routers)))
-        return max(COLD_START_PROBE, cap)
+        total = sum(self.replica_target(r) for r in replicas)
+        return share(total, num_routers, self.upper_bound)

@@ -16,7 +16,7 @@ class FixedCapacity:
         self.per_replica = per_replica
         self.upper_bound = upper_bound
 
-    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int, in_flight: int) -> int:
+    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int) -> int:
         if not replicas:
             return COLD_START_PROBE
         return share(self.per_replica * len(replicas), num_routers, self.upper_bound)
