@@ -26,7 +26,7 @@ _OWNED_ENGINE_KWARGS = {
     "served_model_name": "name",
     "tensor_parallel_size": "tensor_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size",
-    "distributed_executor_backend": "(chosen from device and parallelism)",
+    "distributed_executor_backend": "distributed_executor_backend",
 }
 
 
@@ -105,6 +105,14 @@ class ModelSettings(_Strict):
         description="Ray placement strategy of a replica's bundles. PACK fills one node first "
         "and spreads to others when it is too small; STRICT_PACK keeps a replica on one node.",
     )
+    distributed_executor_backend: Literal["auto", "ray", "mp"] = Field(
+        "auto",
+        description="How the engine runs its TP x PP ranks. `ray`: one Ray worker per GPU in the "
+        "replica's placement group (may span nodes; the replica itself holds no GPU). `mp`: "
+        "worker processes beside the replica on its node (the replica holds all its GPUs; one "
+        "node only). `auto`: one rank runs inside the replica; more ranks use `ray` on GPUs "
+        "and `mp` on CPUs (the vLLM CPU build refuses Ray).",
+    )
     cpus_per_replica: int = Field(
         1, ge=1, description="CPUs reserved for a replica (on CPU: for the engine itself)."
     )
@@ -154,12 +162,27 @@ class ModelSettings(_Strict):
                 "pipeline_parallel_size > 1 is not supported by the vLLM CPU build; "
                 "use device: gpu or pipeline_parallel_size: 1"
             )
+        if self.device == "cpu" and self.distributed_executor_backend == "ray":
+            raise ValueError(
+                "distributed_executor_backend: ray is refused by the vLLM CPU build (\"current "
+                "platform cpu does not support ray\"); use `mp` or `auto` for device: cpu"
+            )
         return self
 
     @property
     def world_size(self) -> int:
         """Engine ranks of one replica: tensor x pipeline parallel."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> Literal["uni", "ray", "mp"]:
+        """The executor vLLM is given: `uni` (the engine's one rank in the replica's process
+        tree), `ray` or `mp` (see ``distributed_executor_backend``)."""
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        if self.world_size == 1:
+            return "uni"
+        return "ray" if self.device == "gpu" else "mp"
 
     @property
     def target_per_replica(self) -> int:

@@ -1,15 +1,30 @@
 """Placement of one LLMServer replica: the Ray resource bundles its engine spans.
 
-One replica = one engine = TP x PP ranks. On GPUs each rank gets a bundle of one GPU; the replica
-actor itself lives in bundle 0 (with the CPU it needs), and vLLM's Ray executor places its workers
-in the replica's placement group, so the strategy decides whether a replica may span nodes
-(PACK: fill one node, spill to others when it is too small; STRICT_PACK: one node only).
-On CPUs the whole engine runs inside the replica's node, so one bundle holds all its CPUs.
+One replica = one engine = TP x PP ranks. Serve reserves the replica's placement group before the
+replica starts, puts the replica actor in bundle 0 and makes the group the replica's "current"
+placement group; what the bundles hold depends on who runs the engine's ranks
+(``ModelSettings.executor_backend``):
+
+- ``uni`` (one GPU rank) and ``mp`` (ranks as processes on the replica's node): the replica actor
+  holds every GPU itself, in one bundle; the engine's processes inherit them.
+- ``ray``: one bundle of one GPU per rank, in rank order (pipeline stage-major, then tensor rank);
+  the replica actor sits in bundle 0 without a GPU, and the vLLM adapter hands the group to vLLM's
+  Ray executor, which starts one worker per GPU bundle inside it (no second reservation). The
+  strategy decides whether a replica may span nodes: PACK fills one node and spills to others
+  when it is too small; STRICT_PACK keeps it on one node.
+- CPU engines run inside the replica's node: one bundle holds all its CPUs.
+
+vLLM orders its Ray workers by node (the driver's node first) and gives consecutive ranks to the
+workers of one node, so a tensor-parallel group stays on one node exactly when every node holds a
+multiple of TP of the replica's GPU bundles (:func:`split_tensor_parallel_groups` checks the
+placement Ray chose).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Iterable
 
 from serve_app.config import ModelSettings
 
@@ -37,11 +52,24 @@ def replica_placement(settings: ModelSettings) -> ReplicaPlacement:
     cpus = float(settings.cpus_per_replica)
     if settings.device == "cpu":
         return ReplicaPlacement(cpus, 0.0, [{"CPU": cpus}], settings.placement_strategy)
-    world = settings.world_size
-    if world == 1:
-        # The engine runs in the replica's own process tree: the actor holds the GPU.
-        return ReplicaPlacement(cpus, 1.0, [{"CPU": cpus, "GPU": 1.0}], settings.placement_strategy)
+    world = float(settings.world_size)
+    if settings.executor_backend in ("uni", "mp"):
+        # The engine's processes run in the replica's process tree: the actor holds the GPUs.
+        return ReplicaPlacement(cpus, world, [{"CPU": cpus, "GPU": world}],
+                                settings.placement_strategy)
     # Ray executor: one worker per GPU bundle; the replica actor sits in bundle 0 without a GPU.
     bundles: list[dict[str, float]] = [{"CPU": cpus, "GPU": 1.0}]
-    bundles += [{"GPU": 1.0} for _ in range(world - 1)]
+    bundles += [{"GPU": 1.0} for _ in range(settings.world_size - 1)]
     return ReplicaPlacement(cpus, 0.0, bundles, settings.placement_strategy)
+
+
+def split_tensor_parallel_groups(gpu_bundle_nodes: Iterable[str], tensor_parallel_size: int,
+                                 ) -> dict[str, int]:
+    """Nodes whose share of a replica's GPU bundles is not a multiple of TP, with that share.
+
+    Empty when every tensor-parallel group of the engine lies on one node (see the module
+    docstring for why node shares decide it). ``gpu_bundle_nodes`` is the node id of each GPU
+    bundle of the replica's placement group.
+    """
+    counts = Counter(gpu_bundle_nodes)
+    return {node: n for node, n in counts.items() if n % tensor_parallel_size}

@@ -26,9 +26,8 @@ logger = logging.getLogger(__name__)
 def engine_args_for(settings: ModelSettings) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments for ``settings`` (pure; unit-tested without vLLM).
 
-    World size 1 runs the engine in the replica's process tree (no executor hop). Larger worlds
-    use Ray's executor on GPUs, so workers land in the replica's placement group, possibly on
-    other nodes; the CPU build refuses Ray, so it uses multiprocessing (one node).
+    The executor is ``settings.executor_backend`` (see :mod:`serve_app.engine.placement`); `uni`
+    is vLLM's own default for one rank, so it is left unset there.
     """
     kwargs: dict[str, Any] = {
         "model": settings.path,
@@ -38,8 +37,8 @@ def engine_args_for(settings: ModelSettings) -> dict[str, Any]:
     }
     if settings.max_model_len is not None:
         kwargs["max_model_len"] = settings.max_model_len
-    if settings.world_size > 1:
-        kwargs["distributed_executor_backend"] = "ray" if settings.device == "gpu" else "mp"
+    if settings.executor_backend != "uni":
+        kwargs["distributed_executor_backend"] = settings.executor_backend
     # The router orders the few requests it lets wait inside the engine by tenant and band
     # (GenerationRequest.priority); FCFS there would put a quiet tenant behind a flood again.
     kwargs["scheduling_policy"] = "priority"
@@ -71,8 +70,15 @@ class VLLMEngine:
         # The defaults `vllm serve` gets: without this usage context an H200 engine gets a
         # 2,048-token step budget instead of 8,192 (measured: the stack then started a quarter
         # of the prompts per step that bare vLLM started, and ran 150 requests instead of 500).
-        self._engine = AsyncLLM.from_engine_args(
-            args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=loggers)
+        usage = UsageContext.OPENAI_API_SERVER
+        vllm_config = args.create_engine_config(usage)
+        if self.settings.executor_backend == "ray":
+            vllm_config.parallel_config.placement_group = _replica_placement_group(
+                self.settings.tensor_parallel_size)
+        self._engine = AsyncLLM.from_vllm_config(
+            vllm_config, usage_context=usage, stat_loggers=loggers,
+            enable_log_requests=args.enable_log_requests,
+            disable_log_stats=args.disable_log_stats)
         tokenizer = self._engine.get_tokenizer()
         self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
         self._max_model_len = int(self._engine.model_config.max_model_len)
@@ -200,6 +206,39 @@ class VLLMEngine:
         finally:
             # vLLM aborts on cancellation itself; closing the stream covers generator close.
             await stream.aclose()
+
+
+def _replica_placement_group(tensor_parallel_size: int) -> Any:
+    """The placement group Serve reserved for this replica, for vLLM's Ray executor.
+
+    vLLM's engine core runs in a child process that joins the cluster as a new driver, where
+    Ray's "current placement group" is unset; left alone, its executor would reserve world-size
+    GPUs of its own while this replica already holds them, and wait forever on one GPU host.
+    Handing it the group makes it start one worker per GPU bundle inside it (as Ray Serve LLM
+    does). None outside a placement group (a bare engine): vLLM then reserves its own.
+    """
+    import ray
+    from ray.util import get_current_placement_group, placement_group_table
+
+    from serve_app.engine.placement import split_tensor_parallel_groups
+
+    group = get_current_placement_group() if ray.is_initialized() else None
+    if group is None:
+        logger.warning("no placement group around this engine; vLLM's Ray executor reserves one")
+        return None
+    table = placement_group_table(group)
+    gpu_nodes = [table["bundles_to_node_id"][i] for i, b in table["bundles"].items()
+                 if b.get("GPU", 0) > 0]
+    split = split_tensor_parallel_groups(gpu_nodes, tensor_parallel_size)
+    if split:
+        # vLLM only warns too; the engine works, with TP all-reduces over the network.
+        logger.warning(
+            "tensor-parallel groups span nodes (GPU bundles per node %s are not multiples of "
+            "tensor_parallel_size=%d): free whole nodes, or use placement_strategy: STRICT_PACK "
+            "when one node can hold the replica", split, tensor_parallel_size)
+    logger.info("vLLM's Ray executor uses this replica's placement group %s (%d GPU bundles)",
+                group.id.hex(), len(gpu_nodes))
+    return group
 
 
 class _SchedulerCounts:

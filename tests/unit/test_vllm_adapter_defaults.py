@@ -1,13 +1,16 @@
-"""The engine the stack builds gets the same defaults as `vllm serve` (no GPU or model needed)."""
+"""The engine the stack builds gets the same defaults as `vllm serve`, and a Ray-executor engine
+gets its replica's placement group (no GPU or model needed)."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from serve_app.config import ModelSettings
-from serve_app.engine.vllm_adapter import VLLMEngine
+from serve_app.engine import vllm_adapter
+from serve_app.engine.vllm_adapter import VLLMEngine, engine_args_for
 
 
 class _Captured(Exception):
@@ -18,18 +21,71 @@ def test_engine_uses_vllm_serve_usage_context_regression_batch_budget(monkeypatc
     """Regression: AsyncLLM.from_engine_args defaults to the ENGINE_CONTEXT usage context,
     which gives an H200 a 2,048-token step budget where `vllm serve` (OPENAI_API_SERVER) gets
     8,192; the stack then prefilled a quarter as many prompts per step as bare vLLM."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     seen = {}
 
-    def fake_from_engine_args(args, **kwargs):
-        seen.update(kwargs, args=args)
+    def fake_create_engine_config(self, usage_context=None):
+        seen.update(args=self, usage_context=usage_context)
         raise _Captured
 
-    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(fake_from_engine_args))
+    monkeypatch.setattr(AsyncEngineArgs, "create_engine_config", fake_create_engine_config)
     engine = VLLMEngine(ModelSettings(name="m", path="/nonexistent", device="cpu"))
     with pytest.raises(_Captured):
         asyncio.run(engine.start())
     assert seen["usage_context"] == UsageContext.OPENAI_API_SERVER
     assert seen["args"].scheduling_policy == "priority"
+
+
+def _start_capturing_config(monkeypatch, settings: ModelSettings) -> SimpleNamespace:
+    """Run VLLMEngine.start up to AsyncLLM's construction; return the VllmConfig it got."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(placement_group=None))
+    seen = {}
+    monkeypatch.setattr(AsyncEngineArgs, "create_engine_config", lambda self, usage: config)
+
+    def fake_from_vllm_config(vllm_config, **kwargs):
+        seen["config"] = vllm_config
+        raise _Captured
+
+    monkeypatch.setattr(AsyncLLM, "from_vllm_config", staticmethod(fake_from_vllm_config))
+    with pytest.raises(_Captured):
+        asyncio.run(VLLMEngine(settings).start())
+    return seen["config"]
+
+
+def test_ray_executor_engine_gets_the_replicas_placement_group(monkeypatch):
+    group = object()
+    asked = []
+    monkeypatch.setattr(vllm_adapter, "_replica_placement_group",
+                        lambda tp: asked.append(tp) or group)
+    settings = ModelSettings(name="m", path="/m", tensor_parallel_size=2,
+                             pipeline_parallel_size=2)
+    config = _start_capturing_config(monkeypatch, settings)
+    assert config.parallel_config.placement_group is group
+    assert asked == [2]
+
+
+def test_engine_without_ray_executor_reserves_nothing(monkeypatch):
+    monkeypatch.setattr(vllm_adapter, "_replica_placement_group",
+                        lambda tp: pytest.fail("only the Ray executor takes a placement group"))
+    for settings in (ModelSettings(name="m", path="/m"),
+                     ModelSettings(name="m", path="/m", tensor_parallel_size=2,
+                                   distributed_executor_backend="mp")):
+        config = _start_capturing_config(monkeypatch, settings)
+        assert config.parallel_config.placement_group is None
+
+
+@pytest.mark.parametrize("kw, backend", [
+    ({}, None),
+    ({"tensor_parallel_size": 2}, "ray"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, "mp"),
+    ({"distributed_executor_backend": "ray"}, "ray"),
+    ({"device": "cpu", "tensor_parallel_size": 2}, "mp"),
+])
+def test_executor_backend_reaches_engine_args(kw, backend):
+    args = engine_args_for(ModelSettings(name="m", path="/m", **kw))
+    assert args.get("distributed_executor_backend") == backend
