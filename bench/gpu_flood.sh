@@ -4,8 +4,9 @@
 # streamed request at a time (128 in / 16 out). Arms: bare `vllm serve` (same engine arguments,
 # FCFS order since it gets no priorities) and the stack with two tenants. Results under $OUT.
 # usage: bench/gpu_flood.sh [CONFIG] [DURATION_S]     (env: PYTHON, FLOOD_C, ARMS="bare stack",
-#   STACK_BENCH="serve-app bench arguments" to also run a benchmark against the same stack after
-#   its flood, with the flood tenant's key: saves a second engine start)
+#   ARM_BENCH="serve-app bench arguments" to also run the same benchmark against each arm's server
+#   after its flood (the stack's with the flood tenant's key): the throughput comparison of
+#   gpu_compare.sh without a second engine start per arm)
 set -uo pipefail
 CONFIG=${1:-deployments/gpu-1.yaml}; DUR=${2:-60}
 PY=${PYTHON:-python3}
@@ -53,6 +54,12 @@ stop() {
 ray_metrics_urls() {  # the metrics agents Ray lists for Prometheus
   $PY -c "import json; print(' '.join('--metrics-url http://%s/metrics' % t for g in json.load(open('/tmp/ray/prom_metrics_service_discovery.json')) for t in g['targets']))" 2>/dev/null
 }
+arm_bench() {  # url arm [tenant-args]
+  [ -n "${ARM_BENCH:-}" ] || return 0
+  $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" $3 $ARM_BENCH --quiet \
+    --label "$2" --out "$DIR/$2-bench" > "$DIR/$2-bench.log" 2>&1
+  grep -A6 "^## Runs" "$DIR/$2-bench/summary.md" || tail -n 20 "$DIR/$2-bench.log"
+}
 flood() {  # url arm key-args metrics-args
   $PY -m serve_app.cli flood --base-url "$1" --model "$MODEL" --flood-concurrency "$FLOOD_C" \
     --duration-s "$DUR" --settle-s "${SETTLE_S:-10}" --token-range "${TOKEN_RANGE:-1000-20000}" --label "$2" --out "$DIR/$2.json" $3 $4 \
@@ -67,7 +74,8 @@ for arm in ${ARMS:-bare stack}; do
     setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8100 $PID 420 none && \
-      flood http://127.0.0.1:8100 bare "" "--metrics-url http://127.0.0.1:8100/metrics"
+      flood http://127.0.0.1:8100 bare "" "--metrics-url http://127.0.0.1:8100/metrics" && \
+      arm_bench http://127.0.0.1:8100 bare
   else
     echo "== stack: serve-app run --config $DIR/stack-config.yaml"
     setsid $PY -m serve_app.cli run --config "$DIR/stack-config.yaml" --port 8000 \
@@ -75,12 +83,7 @@ for arm in ${ARMS:-bare stack}; do
     PID=$!
     wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \
       flood http://127.0.0.1:8000 stack "--flood-key $FLOOD_KEY --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" && \
-      if [ -n "${STACK_BENCH:-}" ]; then
-        $PY -m serve_app.cli bench --base-url http://127.0.0.1:8000 --model "$MODEL" \
-          --tenant "flood:$FLOOD_KEY:1" $STACK_BENCH --quiet --out "$DIR/stack-bench" \
-          > "$DIR/stack-bench.log" 2>&1
-        grep -A6 "^## Runs" "$DIR/stack-bench/summary.md" || tail -n 20 "$DIR/stack-bench.log"
-      fi
+      arm_bench http://127.0.0.1:8000 stack "--tenant flood:$FLOOD_KEY:1"
   fi
   stop $PID
   echo "$arm arm took $(( $(date +%s) - T0 ))s"

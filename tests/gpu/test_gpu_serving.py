@@ -1,8 +1,13 @@
-"""On a GPU host: the app from deployments/gpu-1.yaml serves streamed chat on the Llama-3.1-8B
-shape (dummy weights). Skipped where CUDA is missing. Run: python -m pytest -v tests/gpu"""
+"""On a GPU host: the app from a GPU deployment config (deployments/gpu-1.yaml unless
+SERVE_APP_GPU_CONFIG names another) serves streamed chat on the Llama-3.1-8B shape (dummy weights),
+and each replica holds exactly one placement group. SERVE_APP_GPU_EXECUTOR=ray forces vLLM's Ray
+executor (the one-GPU proof that the replica's group reaches it). Skipped where CUDA is missing.
+Run: python -m pytest -v tests/gpu"""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -33,14 +38,16 @@ def gpu_stack(tmp_path_factory):
     from serve_app.config import load_config
     from serve_app.models import write_model
 
-    cfg = load_config(REPO / "deployments" / "gpu-1.yaml")
+    cfg = load_config(REPO / os.environ.get("SERVE_APP_GPU_CONFIG", "deployments/gpu-1.yaml"))
     model = cfg.models[0]
+    if os.environ.get("SERVE_APP_GPU_EXECUTOR"):
+        model = model.model_copy(update={
+            "distributed_executor_backend": os.environ["SERVE_APP_GPU_EXECUTOR"]})
+        cfg = cfg.model_copy(update={"models": [model]})
     if not Path(model.path).exists():
         write_model("llama-3.1-8b", Path(model.path))
     port = _free_port()
     cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port})})
-    import os
-
     from serve_app.app import ray_env
 
     os.environ.update(ray_env(cfg))
@@ -55,13 +62,14 @@ def gpu_stack(tmp_path_factory):
             break
         except Exception:
             time.sleep(2)
-    yield client, model.name
+    yield client, model
     serve.shutdown()
     ray.shutdown()
 
 
 def test_streamed_chat_on_8b_shape(gpu_stack):
-    client, model = gpu_stack
+    client, settings = gpu_stack
+    model = settings.name
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=model, max_tokens=64, stream=True, stream_options={"include_usage": True},
@@ -81,7 +89,8 @@ def test_streamed_chat_on_8b_shape(gpu_stack):
 def test_concurrent_streams(gpu_stack):
     from concurrent.futures import ThreadPoolExecutor
 
-    client, model = gpu_stack
+    client, settings = gpu_stack
+    model = settings.name
 
     def one(i: int) -> int:
         s = client.chat.completions.create(
@@ -91,3 +100,30 @@ def test_concurrent_streams(gpu_stack):
 
     with ThreadPoolExecutor(32) as pool:
         assert list(pool.map(one, range(64))) == [32] * 64
+
+
+def test_one_placement_group_per_replica(gpu_stack):
+    """Serve's reservation is the only one: vLLM's Ray workers (if any) run inside it."""
+    import ray
+    from ray._private.state import actors
+    from ray.util import placement_group_table
+
+    _, settings = gpu_stack
+    groups = placement_group_table()
+    workers = [a for a in actors().values()
+               if "RayWorkerWrapper" in a["ActorClassName"] and a["State"] == "ALIVE"]
+    if os.environ.get("OUT"):  # the record for bench/RESULTS.md
+        with open(os.path.join(os.environ["OUT"], "placement.json"), "w") as f:
+            json.dump({"placement_groups": groups, "ray_workers": workers,
+                       "available": ray.available_resources(),
+                       "total": ray.cluster_resources()}, f, indent=1, default=str)
+    replicas = settings.autoscaling.min_replicas
+    assert len(groups) == replicas, groups  # none removed, none pending: no second attempt
+    assert all(g["state"] == "CREATED" for g in groups.values()), groups
+    gpus = sum(b.get("GPU", 0) for g in groups.values() for b in g["bundles"].values())
+    assert gpus == settings.world_size * replicas
+    expected_workers = settings.world_size * replicas if settings.executor_backend == "ray" else 0
+    assert len(workers) == expected_workers, workers
+    # Every GPU the replicas use is one their groups hold.
+    used = ray.cluster_resources().get("GPU", 0) - ray.available_resources().get("GPU", 0)
+    assert used == gpus
