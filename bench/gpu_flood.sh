@@ -56,7 +56,7 @@ ray_metrics_urls() {  # the metrics agents Ray lists for Prometheus
 }
 arm_bench() {  # url arm [tenant-args]
   [ -n "${ARM_BENCH:-}" ] || return 0
-  $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" $3 $ARM_BENCH --quiet \
+  $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" ${3:-} $ARM_BENCH --quiet \
     --label "$2" --out "$DIR/$2-bench" > "$DIR/$2-bench.log" 2>&1
   grep -A6 "^## Runs" "$DIR/$2-bench/summary.md" || tail -n 20 "$DIR/$2-bench.log"
 }

@@ -203,9 +203,9 @@ class AdmissionSettings(_Strict):
     headroom: int = Field(
         4, ge=1, description="Requests per replica the router lets wait inside an engine, so "
         "it always has work to start at its next step (at least one step's worth of prompts: "
-        "max_num_batched_tokens / recent prompt length). Also how far over capacity the first "
-        "request of a tenant with nothing in flight may go (it then starts at the engine's "
-        "next step, ahead of queued floods, by its engine priority).",
+        "max_num_batched_tokens / recent prompt length). Also how many first requests of "
+        "tenants with nothing in flight may be out beyond capacity at once (each then starts "
+        "at the engine's next step, ahead of queued floods, by its engine priority).",
     )
     kv_cache_high: float = Field(
         0.95, gt=0, le=1, description="KV-cache use above which an engine gets no more than it "

@@ -76,7 +76,10 @@ async def _flood_worker(session: aiohttp.ClientSession, url: str, model: str, ke
 async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, key: str | None,
                         n_in: int, n_out: int, start_at: float, stop_at: float,
                         rng: random.Random, ttfts: list[float], errors: dict[str, int],
-                        ids: tuple[int, int]) -> None:
+                        ids: tuple[int, int], log: list[dict[str, Any]] | None = None) -> None:
+    """One streamed request at a time until ``stop_at``; first-token times go to ``ttfts``,
+    and with ``log`` each request's send time (from ``start_at``) and TTFT (None: cut at the
+    end of the run before its first token) is recorded too."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     while time.monotonic() < stop_at:
@@ -103,6 +106,9 @@ async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, ke
         except aiohttp.ClientError as err:
             errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
         ttfts.extend(first)
+        if log is not None:
+            log.append({"sent_s": round(t0 - start_at, 3),
+                        "ttft_ms": round(first[0] * 1000, 1) if first else None})
         await asyncio.sleep(0.05)  # one at a time, a short think time
 
 
@@ -143,6 +149,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         acc: dict[str, Any] = {"ok": 0, "tokens": 0, "errors": {}, "cut": 0}
         quiet: list[float] = []
         quiet_err: dict[str, int] = {}
+        quiet_log: list[dict[str, Any]] = []
         samples: list[dict[str, float]] = []
         start = time.monotonic()
         stop_at = start + args.duration_s
@@ -151,7 +158,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             random.Random(rng.random()), acc, ids)) for _ in range(args.flood_concurrency)]
         tasks.append(asyncio.ensure_future(_quiet_worker(
             session, url, args.model, args.quiet_key, args.quiet_in, args.quiet_out,
-            start + args.settle_s, stop_at, rng, quiet, quiet_err, ids)))
+            start + args.settle_s, stop_at, rng, quiet, quiet_err, ids, quiet_log)))
         if args.metrics_url:
             tasks.append(asyncio.ensure_future(_sample_engines(session, args.metrics_url,
                                                                stop_at, samples)))
@@ -165,7 +172,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "quiet_under_flood_ttft_ms": {"n": len(quiet), "p50": _pct(ms(quiet), 0.5),
                                       "p90": _pct(ms(quiet), 0.9),
                                       "mean": round(statistics.fmean(ms(quiet)), 1) if quiet
-                                      else None, "errors": quiet_err},
+                                      else None, "errors": quiet_err,
+                                      "no_first_token": sum(r["ttft_ms"] is None
+                                                            for r in quiet_log),
+                                      "requests": quiet_log},
         "flood": {"completed": acc["ok"], "output_tok_s": round(acc["tokens"] / elapsed, 1),
                   "cut_at_end": acc["cut"], "errors": acc["errors"]},
         "engines": {"samples": len(during),
@@ -213,7 +223,8 @@ def main(args: argparse.Namespace) -> int:
         Path(args.out).write_text(text + "\n")
     q, f, e = (result["quiet_under_flood_ttft_ms"], result["flood"], result["engines"])
     print(f"{args.label}: quiet TTFT p50 alone {result['quiet_alone_ttft_ms']['p50']} ms, under "
-          f"flood {q['p50']} ms (p90 {q['p90']}, n={q['n']}); flood {f['output_tok_s']} out "
+          f"flood {q['p50']} ms (p90 {q['p90']}, n={q['n']}, {q['no_first_token']} cut before "
+          f"a first token); flood {f['output_tok_s']} out "
           f"tok/s, errors {f['errors']} {q['errors']}; engines running~{e['running_median']} "
           f"waiting~{e['waiting_median']} (max {e['waiting_max']})")
     return 0

@@ -10,6 +10,7 @@ from serve_app.ingress.admission import AdmissionController, NoReplicaInTime
 from serve_app.routing.capacity import COLD_START_PROBE, ReplicaLoad, capacity_policy
 from serve_app.routing.engine_feedback import EngineFeedbackCapacity
 from serve_app.routing.fixed import FixedCapacity
+from serve_app.tenancy.fair_queue import engine_priority
 
 
 def load(active=0, running=0, waiting=0, kv=0.0, max_running=512, name="r0") -> ReplicaLoad:
@@ -177,3 +178,29 @@ def test_short_prompts_do_not_flood_a_full_batch():
     r = ReplicaLoad("r0", active=8, running=8, waiting=0, max_running=8, step_tokens=2048,
                     prompt_tokens_avg=5.0)
     assert policy().capacity([r], 1) == 8 + 4
+
+
+def test_idle_tenant_gets_in_while_capacity_dips_below_in_flight_regression():
+    """Regression (H200 flood): the engines drop a finished batch before the router has sent
+    its responses, so capacity fell far below the router's in-flight count; a bypass bounded by
+    `capacity + slots` refused the quiet tenant, which then waited a whole generation (8.5 s)."""
+    async def main() -> None:
+        a = AdmissionController(100, 1000, first_request_slots=2)
+        for _ in range(100):
+            await a.acquire("flood", "normal")
+        waiting = asyncio.ensure_future(a.acquire("flood", "normal"))
+        await asyncio.sleep(0)
+        a.set_capacity(12)  # the batch finished in the engine; 100 responses still going out
+        quiet = await asyncio.wait_for(a.acquire("quiet", "normal"), 1)
+        other = await asyncio.wait_for(a.acquire("other", "normal"), 1)
+        first = engine_priority("normal", 0)  # ahead of every flood request in the engine
+        assert quiet == other == first and a.in_flight == 102
+        third = asyncio.ensure_future(a.acquire("third", "normal"))  # the slots are bounded
+        await asyncio.sleep(0)
+        assert not third.done() and a.overdraft == {"quiet", "other"}
+        a.release("quiet", 1)  # a first-request slot frees with its request
+        assert a.overdraft == {"other"}
+        assert await asyncio.wait_for(a.acquire("quiet", "normal"), 1) == first
+        for t in (waiting, third):
+            t.cancel()
+    asyncio.run(main())
