@@ -103,27 +103,28 @@ def test_concurrent_streams(gpu_stack):
 
 
 def test_one_placement_group_per_replica(gpu_stack):
-    """Serve's reservation is the only one: vLLM's Ray workers (if any) run inside it."""
+    """Serve's reservation is the only one, and the engine's GPUs are the group's: with the Ray
+    executor the replica actor holds no GPU, so a group GPU in use is vLLM's worker inside it."""
     import ray
     from ray._private.state import actors
     from ray.util import placement_group_table
 
     _, settings = gpu_stack
     groups = placement_group_table()
-    workers = [a for a in actors().values()
-               if "RayWorkerWrapper" in a["ActorClassName"] and a["State"] == "ALIVE"]
+    available = ray.available_resources()
     if os.environ.get("OUT"):  # the record for bench/RESULTS.md
         with open(os.path.join(os.environ["OUT"], "placement.json"), "w") as f:
-            json.dump({"placement_groups": groups, "ray_workers": workers,
-                       "available": ray.available_resources(),
-                       "total": ray.cluster_resources()}, f, indent=1, default=str)
+            json.dump({"executor": settings.executor_backend, "placement_groups": groups,
+                       "actors": sorted(f"{a['ActorClassName']} {a['State']}"
+                                        for a in actors().values()),
+                       "available": available, "total": ray.cluster_resources()},
+                      f, indent=1, default=str)
     replicas = settings.autoscaling.min_replicas
     assert len(groups) == replicas, groups  # none removed, none pending: no second attempt
     assert all(g["state"] == "CREATED" for g in groups.values()), groups
     gpus = sum(b.get("GPU", 0) for g in groups.values() for b in g["bundles"].values())
     assert gpus == settings.world_size * replicas
-    expected_workers = settings.world_size * replicas if settings.executor_backend == "ray" else 0
-    assert len(workers) == expected_workers, workers
-    # Every GPU the replicas use is one their groups hold.
-    used = ray.cluster_resources().get("GPU", 0) - ray.available_resources().get("GPU", 0)
-    assert used == gpus
+    for group_id in groups:  # every GPU of every group is taken by the engine's ranks
+        assert available.get(f"GPU_group_{group_id}", 0) == 0, available
+    # ... and no GPU outside the groups is.
+    assert ray.cluster_resources().get("GPU", 0) - available.get("GPU", 0) == gpus
