@@ -75,6 +75,9 @@ class GenerationRequest:
     # Order inside the engine's waiting queue (lower first), set by the router from the fair
     # queue; engines without priority scheduling ignore it.
     priority: int = 0
+    # False: the caller needs only the finished result, so the engine may yield one chunk (the
+    # whole completion, finished=True) instead of one per step. Engines may still stream.
+    stream: bool = True
 
 
 @dataclass(slots=True)

@@ -164,7 +164,11 @@ class VLLMEngine:
                 frequency_penalty=s.frequency_penalty,
                 repetition_penalty=s.repetition_penalty,
                 ignore_eos=s.ignore_eos,
-                output_kind=RequestOutputKind.DELTA,
+                # A non-streaming request gets its result once, at the end: no per-step
+                # message through this replica's event loop, Ray and the router for each of the
+                # (often hundreds of) requests in the batch.
+                output_kind=RequestOutputKind.DELTA if request.stream
+                else RequestOutputKind.FINAL_ONLY,
             )
         except (ValueError, TypeError) as err:
             raise EngineRequestError(str(err)) from None

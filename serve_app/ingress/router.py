@@ -317,7 +317,8 @@ class OpenAIRouter:
         except BaseException:
             gone.cancel()
             raise
-        self.gate.first_token(tenant, req.model, time.monotonic() - arrived)
+        if req.stream:  # a non-streaming response has no first token before its last one
+            self.gate.first_token(tenant, req.model, time.monotonic() - arrived)
         headers = {"X-Request-Id": builder.request_id}
         if req.stream:
             ended = False
@@ -373,6 +374,7 @@ class OpenAIRouter:
         generation = req.to_generation(builder.request_id)
         generation.cache_salt = tenant.cache_salt
         generation.priority = slot.priority
+        generation.stream = req.stream
         gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
             return gen, await self._first_chunk(gen)

@@ -56,6 +56,21 @@ def test_chat_completion_streamed(oai, stack):
     assert finished == {0, 1}
 
 
+def test_non_streamed_choices_arrive_whole(oai, stack):
+    """Non-streaming requests take vLLM's final output only (one message per request, not one
+    per step): every choice still arrives complete, with its finish reason and the usage."""
+    r = oai.completions.create(model=stack["model"], prompt="Hello", max_tokens=10, n=3,
+                               temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.text for c in r.choices)
+    assert r.usage.completion_tokens == 30
+    streamed = oai.completions.create(model=stack["model"], prompt="Hello", max_tokens=10,
+                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
+    whole = oai.completions.create(model=stack["model"], prompt="Hello", max_tokens=10,
+                                   temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+
+
 def test_unknown_model_raises_not_found(oai):
     import openai
 
