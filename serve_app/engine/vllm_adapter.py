@@ -6,6 +6,7 @@ the same code runs on the vLLM CPU build (0.32.x) and on the GPU hosts' vLLM (0.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import sys
@@ -21,6 +22,9 @@ from serve_app.engine.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Prompts (or chat contents) of at least this many characters are tokenized off the event loop.
+INLINE_TOKENIZE_CHARS = 8192
 
 
 def engine_args_for(settings: ModelSettings) -> dict[str, Any]:
@@ -58,6 +62,7 @@ class VLLMEngine:
         self._step_tokens = 0
         self._prompt_tokens_avg = 0.0
         self._priority = False
+        self._max_token_chars = 0  # 0: no length bound before encoding (unknown vocabulary)
         self._stats = _SchedulerCounts()
 
     async def start(self) -> None:
@@ -82,6 +87,7 @@ class VLLMEngine:
         tokenizer = self._engine.get_tokenizer()
         self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
         self._max_model_len = int(self._engine.model_config.max_model_len)
+        self._max_token_chars = _longest_token_chars(self._tokenizer)
         scheduler = self._engine.vllm_config.scheduler_config
         self._max_running = int(scheduler.max_num_seqs)
         self._step_tokens = int(scheduler.max_num_batched_tokens)
@@ -110,6 +116,34 @@ class VLLMEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+    async def _prompt_ids_off_loop(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids; long texts are rendered and encoded on a worker thread.
+
+        This replica's event loop also carries every stream it serves: a 1 MB prompt encoded
+        inline would stall all of them. Short prompts stay inline (a thread hop costs more than
+        their encode). A text that cannot fit the context even at the vocabulary's longest token
+        per token is refused before anything is encoded."""
+        chars = _text_chars(request)
+        self._check_length_bound(chars, request)
+        if chars < INLINE_TOKENIZE_CHARS:
+            return self._prompt_ids(request)
+        return await asyncio.to_thread(self._prompt_ids, request)
+
+    def _check_length_bound(self, chars: int, request: GenerationRequest) -> None:
+        """400 for a text whose fewest possible tokens already exceed the context."""
+        if not chars or not self._max_token_chars:
+            return
+        at_least = -(-chars // self._max_token_chars)
+        if at_least >= self._max_model_len:
+            raise EngineRequestError(
+                f"This model's maximum context length is {self._max_model_len} tokens. However, "
+                f"your {'messages' if request.messages else 'prompt'} of {chars} characters "
+                f"encodes to at least {at_least} tokens. Please reduce the length of the "
+                f"{'messages' if request.messages else 'prompt'}.",
+                param="messages" if request.messages else "prompt",
+                code="context_length_exceeded",
+            )
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         tok = self._tokenizer
@@ -174,7 +208,7 @@ class VLLMEngine:
             raise EngineRequestError(str(err)) from None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        ids = self._prompt_ids(request)
+        ids = await self._prompt_ids_off_loop(request)
         if not ids:
             raise EngineRequestError("the prompt is empty", param="prompt")
         params = self._sampling_params(request, len(ids))
@@ -210,6 +244,23 @@ class VLLMEngine:
         finally:
             # vLLM aborts on cancellation itself; closing the stream covers generator close.
             await stream.aclose()
+
+
+def _text_chars(request: GenerationRequest) -> int:
+    """Characters of text the request's prompt is made of (0 for token ids)."""
+    if request.messages is not None:
+        return sum(len(m.get("content") or "") for m in request.messages)
+    return len(request.prompt or "")
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token string: no token covers more text than
+    that, so ``ceil(chars / this)`` tokens is a lower bound for any text (byte-level symbols
+    and byte-fallback pieces only make the bound looser, never wrong). 0 if unknown."""
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer without a vocabulary listing: no early bound
+        return 0
 
 
 def _replica_placement_group(tensor_parallel_size: int) -> Any:
