@@ -7,7 +7,6 @@ YAML and serves until Ctrl-C, then shuts Serve and Ray down cleanly.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -55,10 +54,7 @@ def _check_local_paths(cfg: AppConfig) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
-
-    from serve_app.app import APP_NAME, build_app, ray_env
+    from serve_app.launch import start_stack, stop_stack
 
     cfg_path = Path(args.config)
     try:
@@ -70,11 +66,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.port:
         cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": args.port})})
-    # Serve reads these when it is imported by Ray's processes, so they go in before Ray starts.
-    for key, value in ray_env(cfg).items():
-        os.environ.setdefault(key, value)
-    # The dashboard executes code for whoever reaches it: keep it on localhost.
-    ray.init(address=args.address, dashboard_host="127.0.0.1")
     stop = {"now": False}
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -83,17 +74,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
-        serve.start(http_options={"host": cfg.router.host, "port": cfg.router.port})
-        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
-        host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::") else cfg.router.host
-        print(_examples(f"http://{host}:{cfg.router.port}/v1", cfg.models[0].name,
-                        keyed=bool(cfg.tenants)), flush=True)
+        base = start_stack(cfg, address=args.address)
+        print(_examples(f"{base}/v1", cfg.models[0].name, keyed=bool(cfg.tenants)), flush=True)
         while not stop["now"]:
             time.sleep(0.5)
     finally:
         print("shutting down ...", flush=True)
-        serve.shutdown()
-        ray.shutdown()
+        stop_stack()
     return 0
 
 

@@ -30,12 +30,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def gpu_stack(tmp_path_factory):
-    import ray
     from openai import OpenAI
-    from ray import serve
 
-    from serve_app.app import APP_NAME, build_app
     from serve_app.config import load_config
+    from serve_app.launch import start_stack, stop_stack
     from serve_app.models import write_model
 
     cfg = load_config(REPO / os.environ.get("SERVE_APP_GPU_CONFIG", "deployments/gpu-1.yaml"))
@@ -46,15 +44,9 @@ def gpu_stack(tmp_path_factory):
         cfg = cfg.model_copy(update={"models": [model]})
     if not Path(model.path).exists():
         write_model("llama-3.1-8b", Path(model.path))
-    port = _free_port()
-    cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"port": port})})
-    from serve_app.app import ray_env
-
-    os.environ.update(ray_env(cfg))
-    ray.init(include_dashboard=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    router = cfg.router.model_copy(update={"host": "127.0.0.1", "port": _free_port()})
+    base = start_stack(cfg.model_copy(update={"router": router}))
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
     deadline = time.time() + 480
     while time.time() < deadline:
         try:
@@ -63,8 +55,7 @@ def gpu_stack(tmp_path_factory):
         except Exception:
             time.sleep(2)
     yield client, model
-    serve.shutdown()
-    ray.shutdown()
+    stop_stack()
 
 
 def test_streamed_chat_on_8b_shape(gpu_stack):

