@@ -27,7 +27,9 @@ from serve_app.config import AppConfig
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
 from serve_app.ingress.admission import AdmissionController, NoReplicaInTime, QueueFull, Slot
 from serve_app.ingress.engine_feed import EngineFeed
+from serve_app.ingress import openapi
 from serve_app.ingress.errors import OpenAIError, install_error_handlers
+from serve_app.ingress.openapi import request_body
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
 from serve_app.ingress.tenants import TenantGate
@@ -38,6 +40,7 @@ from serve_app.tenancy.keys import Tenant
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="serve-app OpenAI endpoint", docs_url=None, redoc_url=None)
+openapi.install(app, [CompletionRequest, ChatCompletionRequest])
 install_error_handlers(app)
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -195,11 +198,11 @@ class OpenAIRouter:
         self._stream_handle(model, tenant)
         return await self._model_card(model)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, CompletionRequest, "completion", "cmpl-")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, ChatCompletionRequest, "chat", "chatcmpl-")
 
