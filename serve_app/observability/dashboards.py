@@ -152,9 +152,14 @@ def render(name: str) -> str:
 
 
 def write_dashboards(folder: Path = DASHBOARD_DIR) -> list[Path]:
+    """Write every dashboard and the alert rules (``alerts.yml``) into ``folder``."""
+    from serve_app.observability.alerts import render_alerts
+
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name in DASHBOARDS:
         (folder / name).write_text(render(name))
         paths.append(folder / name)
+    (folder / "alerts.yml").write_text(render_alerts())
+    paths.append(folder / "alerts.yml")
     return paths

@@ -56,6 +56,7 @@ def prometheus(stack, tmp_path_factory) -> Iterator[str]:
         for sd in job.get("file_sd_configs", []):
             sd["refresh_interval"] = "1s"
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    shutil.copy(DASHBOARD_DIR / "alerts.yml", work / "alerts.yml")  # rule_files is relative
     port = _free_port()
     log = open(work / "prometheus.log", "w")
     proc = subprocess.Popen(
@@ -168,3 +169,30 @@ def test_per_status_split_matches_the_traffic(stack, prometheus):
             time.sleep(2)
     assert {"200", "400", "404"} <= codes, codes
     assert not any(c.startswith("5") for c in codes), codes
+
+
+def test_alert_rules_load_and_evaluate_against_the_live_metrics(stack, prometheus):
+    """Every committed alert rule is loaded from the committed config and evaluates without
+    error against the scraped series; the series each rule reads exist (a renamed metric would
+    leave an alert that can never fire)."""
+    import re
+
+    from serve_app.observability.alerts import alert_rules
+
+    expected = {r["alert"] for g in alert_rules()["groups"] for r in g["rules"]}
+    with _Traffic(stack):
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+            rules = [r for g in groups for r in g["rules"]]
+            if {r["name"] for r in rules} == expected and all(
+                    r.get("health") == "ok" for r in rules):
+                break
+            time.sleep(1)
+    assert {r["name"] for r in rules} == expected
+    assert all(r.get("health") == "ok" for r in rules), [
+        (r["name"], r.get("health"), r.get("lastError")) for r in rules]
+    for rule in rules:
+        for name in set(re.findall(r"\b(ray_[a-z0-9_]+?)(?:_bucket|_count)?\b", rule["query"])):
+            assert _query(prometheus, f"count({name}) or count({name}_bucket)"), (
+                rule["name"], name)
