@@ -9,7 +9,7 @@ MODEL  := models/tiny-llama
 CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install model prometheus observe run test test-unit test-integration bench bench-agreement \
+.PHONY: install model prometheus observe grafana-files run test test-unit test-integration bench bench-agreement \
 	bench-fairness clean
 
 install: $(VENV)/.installed
@@ -49,6 +49,17 @@ run: install model
 observe: prometheus
 	$(PROMETHEUS_BIN) --config.file=dashboards/prometheus.yml \
 		--storage.tsdb.path=$(VENV)/prometheus-data --web.listen-address=127.0.0.1:9090
+
+# Install the dashboards and their provisioning into a Grafana config folder (default: a
+# system Grafana); the datasource points at `make observe`'s Prometheus.
+GRAFANA_DIR ?= /etc/grafana
+grafana-files:
+	install -d $(GRAFANA_DIR)/provisioning/dashboards $(GRAFANA_DIR)/provisioning/datasources \
+		$(GRAFANA_DIR)/dashboards/serve-app
+	sed 's|/etc/grafana|$(abspath $(GRAFANA_DIR))|' dashboards/provisioning/dashboards.yaml \
+		> $(GRAFANA_DIR)/provisioning/dashboards/serve-app.yaml
+	install -m 644 dashboards/provisioning/datasources.yaml $(GRAFANA_DIR)/provisioning/datasources/serve-app.yaml
+	install -m 644 dashboards/*.json $(GRAFANA_DIR)/dashboards/serve-app/
 
 test: install model prometheus
 	PROMETHEUS_BIN=$(abspath $(PROMETHEUS_BIN)) $(BIN)/python -m pytest -v -rs tests $(PYTEST_ARGS)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from serve_app.observability.metrics import metric
+from serve_app.observability.metrics import METRICS, metric
 
 DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -32,10 +32,32 @@ def _panel(pid: int, title: str, exprs: list[tuple[str, str]], unit: str, x: int
     }
 
 
+# The model a series belongs to: vLLM labels it `model_name`, the router `model`.
+MODEL_LABEL = {"vllm": "model_name", "router": "model"}
+
+
+def _sel(name: str) -> str:
+    """``name`` restricted to the dashboard's `model` variable (where the metric has a model)."""
+    source = METRICS[metric(name)].source
+    label = MODEL_LABEL.get(source)
+    return f'{name}{{{label}=~"$model"}}' if label else name
+
+
+def _bucket(name: str) -> str:
+    """The ``_bucket`` series of histogram ``name``, restricted like :func:`_sel`."""
+    return _sel(name).replace(name, name + "_bucket", 1)
+
+
 def _quantiles(name: str, by: str = "") -> list[tuple[str, str]]:
-    group = f"le{', ' + by if by else ''}"
-    return [(f"histogram_quantile({q}, sum by ({group}) (rate({metric(name)}_bucket[$__rate_interval])))",
-             f"p{int(q * 100)}" + (f" {{{{{by}}}}}" if by else ""))
+    """p50/p90/p99 of histogram ``name``, one line per model (and per ``by``): quantiles over
+    several models mixed would describe none of them."""
+    model = MODEL_LABEL.get(METRICS[metric(name)].source)
+    keys = [k for k in (model, by) if k]
+    group = ", ".join(["le", *keys])
+    legend = " ".join(f"{{{{{k}}}}}" for k in keys)
+    bucket = _bucket(name)
+    return [(f"histogram_quantile({q}, sum by ({group}) (rate({bucket}[$__rate_interval])))",
+             f"p{int(q * 100)}" + (f" {legend}" if legend else ""))
             for q in (0.5, 0.9, 0.99)]
 
 
@@ -44,31 +66,33 @@ def serving_dashboard() -> dict[str, Any]:
     rate = "[$__rate_interval]"
     panels = [
         _panel(1, "Requests per second by status code",
-               [(f"sum by (status_code) (rate({metric('ray_serve_num_http_requests_total')}"
+               [(f"sum by (status_code) (rate({_sel('ray_serve_num_http_requests_total')}"
                  f"{rate}))", "{{status_code}}")], "reqps", 0, 0,
                "HTTP requests answered by the ingress (the router replica under Serve's direct "
                "ingress; the Serve proxy otherwise). Every route shares the app prefix \"/\", "
                "so status code is the useful split."),
         _panel(2, "Errors per second by status code",
-               [(f"sum by (error_code) (rate({metric('ray_serve_num_http_error_requests_total')}"
+               [(f"sum by (error_code) (rate({_sel('ray_serve_num_http_error_requests_total')}"
                  f"{rate}))", "{{error_code}}")], "reqps", 12, 0,
                "4xx are client mistakes (bad input, unknown model); 5xx are ours."),
         _panel(3, "Time to first token", _quantiles("ray_vllm_time_to_first_token_seconds"),
                "s", 0, 8, "Engine-side TTFT quantiles over all replicas."),
         _panel(4, "Tokens per second",
-               [(f"sum(rate({metric('ray_vllm_generation_tokens_total')}{rate}))", "output"),
-                (f"sum(rate({metric('ray_vllm_prompt_tokens_total')}{rate}))", "prompt")],
+               [(f"sum by (model_name) (rate({_sel('ray_vllm_generation_tokens_total')}"
+                 f"{rate}))", "output {{model_name}}"),
+                (f"sum by (model_name) (rate({_sel('ray_vllm_prompt_tokens_total')}{rate}))",
+                 "prompt {{model_name}}")],
                "short", 12, 8, "Output and prompt tokens processed by all engines."),
         _panel(5, "Engine requests running / waiting",
-               [(f"sum by (model_name) ({metric('ray_vllm_num_requests_running')})",
+               [(f"sum by (model_name) ({_sel('ray_vllm_num_requests_running')})",
                  "running {{model_name}}"),
-                (f"sum by (model_name) ({metric('ray_vllm_num_requests_waiting')})",
+                (f"sum by (model_name) ({_sel('ray_vllm_num_requests_waiting')})",
                  "waiting {{model_name}}")], "short", 0, 16,
                "Waiting above zero means the engines are saturated."),
         _panel(6, "Inter-token latency", _quantiles("ray_vllm_inter_token_latency_seconds"),
                "s", 12, 16, "Gap between consecutive tokens (TPOT)."),
         _panel(7, "KV cache usage",
-               [(f"max by (model_name) ({metric('ray_vllm_kv_cache_usage_perc')})",
+               [(f"max by (model_name) ({_sel('ray_vllm_kv_cache_usage_perc')})",
                  "{{model_name}}")], "percentunit", 0, 24,
                "Fraction of KV-cache blocks in use; near 1 means preemptions."),
         _panel(8, "HTTP latency (ingress)", _quantiles("ray_serve_http_request_latency_ms"),
@@ -79,51 +103,51 @@ def serving_dashboard() -> dict[str, Any]:
                "From arrival at the engine to its last token; the gap to the HTTP latency is "
                "the time spent in the router and on the wire."),
         _panel(10, "Requests in flight per replica",
-               [(f"sum by (deployment) ({metric('ray_serve_replica_processing_queries')})",
+               [(f"sum by (deployment) ({_sel('ray_serve_replica_processing_queries')})",
                  "{{deployment}}")], "short", 12, 32,
                "Requests each Serve deployment's replicas are processing now (router and "
                "LLMServer), the figure Serve routes and autoscales on."),
         _panel(11, "Requests per second by tenant and status",
-               [(f"sum by (tenant, status) (rate({metric('ray_serve_app_tenant_requests_total')}"
+               [(f"sum by (tenant, status) (rate({_sel('ray_serve_app_tenant_requests_total')}"
                  f"{rate}))", "{{tenant}} {{status}}")], "reqps", 0, 40,
                "Per tenant: 200 served, 429 over quota (requests or tokens per minute), "
                "401 bad or missing key (tenant `unauthenticated`), 499 client went away."),
         _panel(12, "Tokens per second by tenant",
-               [(f"sum by (tenant, kind) (rate({metric('ray_serve_app_tenant_tokens_total')}"
+               [(f"sum by (tenant, kind) (rate({_sel('ray_serve_app_tenant_tokens_total')}"
                  f"{rate}))", "{{tenant}} {{kind}}")], "short", 12, 40,
                "Prompt and completion tokens each tenant consumed: what its token quota "
                "counts."),
         _panel(13, "Requests queued in the router by priority",
                [(f"sum by (model, priority) "
-                 f"({metric('ray_serve_app_router_queued_requests')})",
+                 f"({_sel('ray_serve_app_router_queued_requests')})",
                  "{{model}} {{priority}}")], "short", 0, 48,
                "Requests held in the router's fair queue because the model's engines start "
                "nothing more right now (their waiting queues are at the admission headroom); "
                "with the engines' own requests, the demand autoscaling follows."),
         _panel(14, "Time to first token by tenant (p90)",
                [(f"histogram_quantile(0.9, sum by (le, tenant) "
-                 f"(rate({metric('ray_serve_app_tenant_ttft_seconds')}_bucket{rate})))",
+                 f"(rate({_bucket('ray_serve_app_tenant_ttft_seconds')}{rate})))",
                  "{{tenant}}")], "s", 12, 48,
                "From arrival at the router to the first token, router queue included: the "
                "latency each tenant sees. One tenant's flood should not raise the others'."),
         _panel(15, "Router queue wait by tenant (p90)",
                [(f"histogram_quantile(0.9, sum by (le, tenant) "
-                 f"(rate({metric('ray_serve_app_tenant_queue_wait_seconds')}_bucket{rate})))",
+                 f"(rate({_bucket('ray_serve_app_tenant_queue_wait_seconds')}{rate})))",
                  "{{tenant}}")], "s", 0, 56,
                "Time requests waited for an engine slot in the router's fair queue."),
         _panel(16, "Autoscaling: demand, capacity and replicas",
-               [(f"sum by (model) ({metric('ray_serve_app_model_demand')})",
+               [(f"sum by (model) ({_sel('ray_serve_app_model_demand')})",
                  "demand {{model}}"),
-                (f"sum by (model) ({metric('ray_serve_app_admission_capacity')})",
+                (f"sum by (model) ({_sel('ray_serve_app_admission_capacity')})",
                  "admission capacity {{model}}"),
-                (f"max by (model) ({metric('ray_serve_app_model_live_replicas')}) * "
-                 f"max by (model) ({metric('ray_serve_app_autoscaling_target_per_replica')})",
+                (f"max by (model) ({_sel('ray_serve_app_model_live_replicas')}) * "
+                 f"max by (model) ({_sel('ray_serve_app_autoscaling_target_per_replica')})",
                  "replicas x target {{model}}")], "short", 12, 56,
                "Demand (queued in the routers + in the engines) against what the live replicas "
                "are sized for. Demand above the replicas x target line for longer than the "
                "upscale delay adds replicas; far below it for the downscale delay removes one."),
         _panel(17, "Live replicas per model",
-               [(f"max by (model) ({metric('ray_serve_app_model_live_replicas')})",
+               [(f"max by (model) ({_sel('ray_serve_app_model_live_replicas')})",
                  "{{model}}")], "short", 0, 64,
                "Replicas that answered the routers' last load poll (replicas that are starting "
                "or draining are not counted)."),
@@ -137,8 +161,17 @@ def serving_dashboard() -> dict[str, Any]:
         "version": 1,
         "refresh": "10s",
         "time": {"from": "now-30m", "to": "now"},
-        "templating": {"list": [{"name": "datasource", "type": "datasource",
-                                 "query": "prometheus", "label": "Prometheus"}]},
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus",
+             "label": "Prometheus"},
+            {"name": "model", "type": "query", "label": "Model", "datasource": DATASOURCE,
+             "query": {"query": "label_values(ray_vllm_num_requests_running, model_name)",
+                       "refId": "model"},
+             "definition": "label_values(ray_vllm_num_requests_running, model_name)",
+             "refresh": 2, "multi": True, "includeAll": True, "allValue": ".*",
+             "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+             "sort": 1},
+        ]},
         "panels": panels,
     }
 
