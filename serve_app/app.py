@@ -17,6 +17,7 @@ from ray.serve import Application
 from serve_app.config import (
     DEFAULT_CONFIG,
     DEFAULT_DRAIN_TIMEOUT_S,
+    APP_NAME,
     AppConfig,
     ModelSettings,
     load_config,
@@ -25,7 +26,6 @@ from serve_app.engine.placement import replica_placement
 from serve_app.engine.server import DEFAULT_ENGINE_CLASS, LLMServer
 from serve_app.ingress.router import OpenAIRouter
 
-APP_NAME = "llm"
 GRACEFUL_SHUTDOWN_S = DEFAULT_DRAIN_TIMEOUT_S  # a model's drain_timeout_s by default
 HEALTH_CHECK_PERIOD_S = 5
 HEALTH_CHECK_TIMEOUT_S = 30

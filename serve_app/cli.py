@@ -84,6 +84,39 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from serve_app.launch import deploy
+
+    try:
+        cfg = load_config(Path(args.config))
+        if (rc := _check_local_paths(cfg)) != 0:
+            return rc
+        if args.port:
+            cfg = cfg.model_copy(update={"router": cfg.router.model_copy(
+                update={"port": args.port})})
+        result = deploy(cfg, address=args.address)
+    except (ConfigError, ValueError) as err:
+        print(err, file=sys.stderr)
+        return 2
+    if result.mode == "live":
+        print(f"tenants version {result.tenants_version} published: every router enforces it "
+              "within about a second; nothing restarted")
+    else:
+        print(f"redeploying {args.config} (tenants version {result.tenants_version}): new "
+              "replicas start, old ones finish their requests first; `serve-app status` shows "
+              "progress")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from serve_app.launch import status
+
+    print(json.dumps(status(address=args.address), indent=2))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from serve_app.bench.runner import main as bench_main
 
@@ -138,6 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="Ray cluster address (default: start local)")
     p.add_argument("--port", type=int, default=None, help="override router.port")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("deploy", help="apply a deployment config to a running stack and return "
+                       "(tenant changes live, others redeploy)")
+    p.add_argument("--config", required=True, help="deployment YAML")
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: the local "
+                   "cluster's)")
+    p.add_argument("--port", type=int, default=None, help="override router.port (as `run`)")
+    p.set_defaults(func=cmd_deploy)
+
+    p = sub.add_parser("status", help="the running app: replicas by state, live tenants")
+    p.add_argument("--address", default="auto", help="Ray cluster address")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("make-model", help="write a tiny model or a config-only full-size shape")
     p.add_argument("kind", choices=MODEL_KINDS)

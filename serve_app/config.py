@@ -14,6 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_MODEL_NAME = "tiny-llama"
+# The Serve application the stack runs as (routes at "/").
+APP_NAME = "llm"
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 # A long stream must be able to finish while its replica drains (Serve's default is 20 s).

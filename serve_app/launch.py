@@ -114,10 +114,88 @@ def start_stack(config: AppConfig, address: str | None = None,
     ray_init.setdefault("dashboard_host", "127.0.0.1")
     ray.init(address=address, **ray_init)
     serve.start(http_options={"host": config.router.host, "port": config.router.port})
+    _record(config)
     app = build_app(config) if engine_class is None else build_app(config, engine_class)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    return base_url(config)
+
+
+def base_url(config: AppConfig) -> str:
+    """Where the app's OpenAI endpoint answers, seen from this machine."""
     host = "127.0.0.1" if config.router.host in ("0.0.0.0", "::") else config.router.host
     return f"http://{host}:{config.router.port}"
+
+
+def _record(config: AppConfig) -> str:
+    """Publish ``config`` as the deployed one and its tenants as the live ones."""
+    from serve_app.ingress.live_config import publish_config, publish_tenants
+
+    publish_config(APP_NAME, config.model_dump(mode="json"))
+    return publish_tenants(APP_NAME, config.tenants)
+
+
+def _structure(config: dict[str, Any]) -> dict[str, Any]:
+    """What a live change cannot touch: everything but the tenants."""
+    return {k: v for k, v in config.items() if k != "tenants"}
+
+
+@dataclass(frozen=True)
+class DeployResult:
+    """What :func:`deploy` did: ``live`` (tenants only: nothing restarted) or ``redeployed``."""
+
+    mode: str
+    tenants_version: str
+
+
+def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
+    """Apply ``config`` to the stack running on the cluster at ``address`` and return.
+
+    A change of tenants only (keys, priorities, model access, quotas) is published live: every
+    router replica enforces it within about a second, no replica restarts and no stream is cut.
+    Any other change (models, engine arguments, router settings) redeploys the app: Serve starts
+    replicas of the new version and stops the old ones, which finish their requests first (up
+    to the model's drain_timeout_s). The HTTP host and port of a running Serve cannot change.
+    """
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.ingress.live_config import read_config
+
+    if not ray.is_initialized():
+        ray.init(address=address)
+    running = read_config(APP_NAME)
+    new = config.model_dump(mode="json")
+    if running is not None and running["router"]["port"] != config.router.port:
+        raise ValueError(f"router.port is {config.router.port} but the running stack serves "
+                         f"on {running['router']['port']}; a new port needs a restart")
+    if running is not None and _structure(running) == _structure(new):
+        return DeployResult("live", _record(config))
+    version = _record(config)
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    return DeployResult("redeployed", version)
+
+
+def status(address: str | None = "auto") -> dict[str, Any]:
+    """The running app: its status, each deployment's replicas by state, the live tenants."""
+    import ray
+    from ray import serve
+
+    from serve_app.ingress.live_config import read_tenants
+
+    if not ray.is_initialized():
+        ray.init(address=address)
+    app = serve.status().applications.get(APP_NAME)
+    live = read_tenants(APP_NAME)
+    return {
+        "app": APP_NAME,
+        "status": str(getattr(app.status, "value", app.status)) if app else "NOT_RUNNING",
+        "deployments": {
+            name: {str(getattr(k, "value", k)): n for k, n in d.replica_states.items()}
+            for name, d in (app.deployments.items() if app else [])},
+        "tenants_version": live[0] if live else None,
+        "tenants": [t.name for t in live[1]] if live else [],
+    }
 
 
 def stop_stack() -> None:
@@ -133,4 +211,5 @@ def stop_stack() -> None:
         reap_leftovers()
 
 
-__all__ = ["Leftover", "find_leftovers", "reap_leftovers", "start_stack", "stop_stack"]
+__all__ = ["DeployResult", "Leftover", "base_url", "deploy", "find_leftovers", "reap_leftovers",
+           "start_stack", "status", "stop_stack"]

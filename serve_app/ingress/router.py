@@ -23,12 +23,13 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from serve_app.config import AppConfig
+from serve_app.config import APP_NAME, AppConfig
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
 from serve_app.ingress.admission import AdmissionController, NoReplicaInTime, QueueFull, Slot
 from serve_app.ingress.engine_feed import EngineFeed
 from serve_app.ingress import openapi
 from serve_app.ingress.errors import OpenAIError, install_error_handlers
+from serve_app.ingress.live_config import REFRESH_S, read_tenants, tenants_version
 from serve_app.ingress.openapi import request_body
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
@@ -130,6 +131,14 @@ async def _client_gone(request: Request) -> None:
         await asyncio.sleep(0.05)
 
 
+def _app_name() -> str:
+    """This replica's Serve application (the key of its live tenant list)."""
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:  # outside a Serve replica (unit tests)
+        return APP_NAME
+
+
 def _router_id() -> str:
     """This router replica's Serve id (it keys the backlog it reports to the engines)."""
     try:
@@ -153,6 +162,11 @@ class OpenAIRouter:
         self.created = int(time.time())
         self._max_model_len: dict[str, int] = {}
         self.gate = TenantGate(self.config)
+        # Live tenants (serve_app/ingress/live_config.py): the bound config's until a deploy
+        # publishes others; checked at most once per REFRESH_S, before authenticating.
+        self.tenants_version = tenants_version(self.config.tenants)
+        self._tenants_checked = 0.0
+        self._app_name = _app_name()
         # Until the first load poll the model may have no replica: one request goes through
         # (it wakes a model scaled to zero), the rest wait for the feed's first answer.
         self.admission = {
@@ -188,12 +202,14 @@ class OpenAIRouter:
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:
+        await self._refresh_tenants()
         tenant = self.gate.authenticate(request.headers.get("authorization"))
         return {"object": "list", "data": [await self._model_card(m)
                                            for m in self._visible(tenant)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(self, model: str, request: Request) -> dict[str, Any]:
+        await self._refresh_tenants()
         tenant = self.gate.authenticate(request.headers.get("authorization"))
         self._stream_handle(model, tenant)
         return await self._model_card(model)
@@ -205,6 +221,42 @@ class OpenAIRouter:
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, ChatCompletionRequest, "chat", "chatcmpl-")
+
+    async def _refresh_tenants(self) -> None:
+        """Adopt the live tenant list if a deploy published a new one (at most one store read
+        per REFRESH_S; a record that does not validate against this app is refused and
+        logged, and the current tenants stay)."""
+        now = time.monotonic()
+        if now - self._tenants_checked < REFRESH_S:
+            return
+        self._tenants_checked = now
+        try:
+            live = await asyncio.to_thread(read_tenants, self._app_name)
+        except Exception:
+            logger.warning("could not read the live tenant list; keeping %s",
+                           self.tenants_version, exc_info=True)
+            return
+        if live is None or live[0] == self.tenants_version:
+            return
+        version, tenants = live
+        try:
+            config = AppConfig.model_validate({
+                **self.config.model_dump(mode="json"),
+                "tenants": [t.model_dump(mode="json") for t in tenants]})
+        except ValidationError as err:
+            logger.error("live tenant list %s refused, keeping %s: %s", version,
+                         self.tenants_version, err)
+            return
+        self.config = config
+        self.gate.set_tenants(config.tenants)
+        logger.info("tenants: version %s -> %s (%d tenants)", self.tenants_version, version,
+                    len(config.tenants))
+        self.tenants_version = version
+
+    async def tenants_state(self) -> dict[str, Any]:
+        """The tenant list this router replica enforces now (version and names)."""
+        await self._refresh_tenants()
+        return {"version": self.tenants_version, "tenants": [t.name for t in self.config.tenants]}
 
     async def admission_state(self) -> dict[str, dict[str, Any]]:
         """Per model: requests in flight and queued, the capacity and the live replicas as the
@@ -255,6 +307,7 @@ class OpenAIRouter:
             for name, controller in self.admission.items():
                 self.gate.queue_changed(name, controller)
                 self.feeds[name].start()
+        await self._refresh_tenants()
         tenant = self.gate.authenticate(http_request.headers.get("authorization"))
         label, status, builder, streaming = "", 500, None, False
         slot = Slot()

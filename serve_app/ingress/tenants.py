@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, TenantSettings
 from serve_app.ingress.admission import AdmissionController
 from serve_app.ingress.errors import OpenAIError
 from serve_app.observability.metrics import (
@@ -55,6 +55,12 @@ class TenantGate:
         self._target = _metric(Gauge, "target_per_replica", "gauge", ("model",))
         self._targets = {m.name: m.target_per_replica for m in config.models}
         self._queued_now: dict[str, int] = {}
+
+    def set_tenants(self, tenants: list[TenantSettings]) -> None:
+        """A live tenant change: keys, priorities, model access and limits from now on
+        (requests already admitted finish as they were admitted)."""
+        self.keys = KeyRing(tenants)
+        self.quotas.update(tenants)
 
     def admitted(self, tenant: Tenant, model: str, waited_s: float) -> None:
         """A request left the router's queue (or passed straight through) after ``waited_s``."""

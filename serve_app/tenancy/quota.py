@@ -72,17 +72,35 @@ class QuotaBook:
         if not 0 < share <= 1:
             raise ValueError("share must be in (0, 1]")
         self.clock = clock
-        now = clock()
+        self.share = share
         self._rpm: dict[str, TokenBucket] = {}
         self._tpm: dict[str, TokenBucket] = {}
-        self._limits: dict[str, TenantSettings] = {t.name: t for t in tenants}
+        self._limits: dict[str, TenantSettings] = {}
+        self.update(tenants)
+
+    def update(self, tenants: list[TenantSettings]) -> None:
+        """Take a new tenant list (a live config change). A tenant whose limits did not change
+        keeps its buckets as they are (a redeploy must not refill anyone's quota); changed
+        limits start full; removed tenants are dropped."""
+        now = self.clock()
+        rpm, tpm = self._rpm, self._tpm
+        old = self._limits
+        self._rpm, self._tpm = {}, {}
+        self._limits = {t.name: t for t in tenants}
         for t in tenants:
+            prev = old.get(t.name)
             if t.requests_per_minute:
-                cap = t.requests_per_minute * share
-                self._rpm[t.name] = TokenBucket(max(cap, 1.0), cap / 60, updated=now)
+                if prev and prev.requests_per_minute == t.requests_per_minute and t.name in rpm:
+                    self._rpm[t.name] = rpm[t.name]
+                else:
+                    cap = t.requests_per_minute * self.share
+                    self._rpm[t.name] = TokenBucket(max(cap, 1.0), cap / 60, updated=now)
             if t.tokens_per_minute:
-                cap = t.tokens_per_minute * share
-                self._tpm[t.name] = TokenBucket(cap, cap / 60, updated=now)
+                if prev and prev.tokens_per_minute == t.tokens_per_minute and t.name in tpm:
+                    self._tpm[t.name] = tpm[t.name]
+                else:
+                    cap = t.tokens_per_minute * self.share
+                    self._tpm[t.name] = TokenBucket(cap, cap / 60, updated=now)
 
     def admit(self, tenant: str) -> Admission:
         """Admit one request of ``tenant`` now (taking from its request bucket) or refuse it

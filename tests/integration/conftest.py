@@ -90,7 +90,7 @@ def stack(tiny_model_path):
     router_handle = serve.get_deployment_handle("Router", app_name=APP_NAME)
     yield {"base": base, "server": server, "router": router_handle, "model": MODEL,
            "path": tiny_model_path,
-           "keys": keys, "key": keys[DEFAULT_TENANT],
+           "keys": keys, "key": keys[DEFAULT_TENANT], "config": cfg,
            "headers": {"Authorization": f"Bearer {keys[DEFAULT_TENANT]}"}}
     # However the suite went, the router must hold nothing at its end: a leaked admission slot
     # (in flight with no request behind it) would throttle the model forever.

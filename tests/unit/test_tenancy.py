@@ -162,3 +162,23 @@ def test_config_rejects_bad_tenant_fields():
         with pytest.raises(ConfigError, match=words):
             parse_config({"models": [{"name": "m1", "path": "x", "device": "cpu"}],
                           "tenants": [tenant]})
+
+
+def test_live_tenant_update_keeps_unchanged_buckets_and_drops_removed():
+    """A redeploy must not refill anyone's quota; a changed limit applies at once; a removed
+    tenant's state goes."""
+    from serve_app.config import TenantSettings
+    from serve_app.tenancy.quota import QuotaBook
+
+    digest = "0" * 64
+    now = [0.0]
+    a = TenantSettings(name="a", api_key_sha256=[digest], requests_per_minute=2)
+    b = TenantSettings(name="b", api_key_sha256=["1" * 64], requests_per_minute=2)
+    book = QuotaBook([a, b], clock=lambda: now[0])
+    assert book.admit("a").admitted and book.admit("a").admitted
+    assert not book.admit("a").admitted  # a's bucket is empty
+    book.update([a, b])  # the same limits: still empty
+    assert not book.admit("a").admitted
+    book.update([a.model_copy(update={"requests_per_minute": 60})])  # raised: applies now
+    assert book.admit("a").admitted
+    assert "b" not in book._rpm and "b" not in book._limits
