@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_app.config import AppConfig
+from serve_app.config import APP_NAME, AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def start_stack(config: AppConfig, address: str | None = None,
     import ray
     from ray import serve
 
-    from serve_app.app import APP_NAME, build_app, ray_env
+    from serve_app.app import build_app, ray_env
 
     # Serve reads these when it is imported by Ray's processes, so they go in before Ray starts.
     for key, value in ray_env(config).items():

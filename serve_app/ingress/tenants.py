@@ -55,6 +55,7 @@ class TenantGate:
         self._target = _metric(Gauge, "target_per_replica", "gauge", ("model",))
         self._targets = {m.name: m.target_per_replica for m in config.models}
         self._queued_now: dict[str, int] = {}
+        self._queued_bands: dict[str, dict[str, int]] = {}
 
     def set_tenants(self, tenants: list[TenantSettings]) -> None:
         """A live tenant change: keys, priorities, model access and limits from now on
@@ -71,9 +72,13 @@ class TenantGate:
 
     def queue_changed(self, model: str, admission: AdmissionController) -> None:
         """Publish ``model``'s router queue depth per priority band."""
-        for band in BANDS:
-            self._queued.set(admission.queued(band), tags={"model": model, "priority": band})
+        self._queued_bands[model] = {band: admission.queued(band) for band in BANDS}
+        self._publish_queue(model)
         self._queued_now[model] = admission.queued()
+
+    def _publish_queue(self, model: str) -> None:
+        for band, n in self._queued_bands.get(model, {}).items():
+            self._queued.set(n, tags={"model": model, "priority": band})
 
     def engines_polled(self, model: str, replicas: Sequence[ReplicaLoad], capacity: int) -> None:
         """Publish what the engine feed of ``model`` saw: capacity, live replicas, demand."""
@@ -83,6 +88,9 @@ class TenantGate:
         in_engines = sum(max(r.active, r.running + r.waiting) for r in replicas)
         self._demand.set(in_engines + self._queued_now.get(model, 0), tags=tags)
         self._target.set(self._targets.get(model, 0), tags=tags)
+        # Re-record the queue depth too: a gauge left unrecorded while requests pass straight
+        # through drops out of Ray's export after a while (seen: the queue panel went blank).
+        self._publish_queue(model)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an ``Authorization`` header, or a 401 (the key is never echoed)."""
