@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from serve_app.observability.alerts import TTFT_SLO_S, TTFT_SLO_TARGET
 from serve_app.observability.metrics import METRICS, metric
 
 DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "dashboards"
@@ -34,18 +35,21 @@ def _panel(pid: int, title: str, exprs: list[tuple[str, str]], unit: str, x: int
 
 # The model a series belongs to: vLLM labels it `model_name`, the router `model`.
 MODEL_LABEL = {"vllm": "model_name", "router": "model"}
+TTFT = "ray_serve_app_tenant_ttft_seconds"
+SLO_BUCKET = f'le="{TTFT_SLO_S}"'
 
 
-def _sel(name: str) -> str:
-    """``name`` restricted to the dashboard's `model` variable (where the metric has a model)."""
-    source = METRICS[metric(name)].source
-    label = MODEL_LABEL.get(source)
-    return f'{name}{{{label}=~"$model"}}' if label else name
+def _sel(name: str, suffix: str = "", match: str = "") -> str:
+    """Series ``name`` + ``suffix`` (``_bucket``, ``_sum``, ``_count``) restricted to the
+    dashboard's `model` variable where the metric has a model, plus the ``match`` matchers."""
+    label = MODEL_LABEL.get(METRICS[metric(name)].source)
+    matchers = [m for m in (f'{label}=~"$model"' if label else "", match) if m]
+    return f"{name}{suffix}" + (f"{{{','.join(matchers)}}}" if matchers else "")
 
 
 def _bucket(name: str) -> str:
     """The ``_bucket`` series of histogram ``name``, restricted like :func:`_sel`."""
-    return _sel(name).replace(name, name + "_bucket", 1)
+    return _sel(name, "_bucket")
 
 
 def _quantiles(name: str, by: str = "") -> list[tuple[str, str]]:
@@ -151,6 +155,53 @@ def serving_dashboard() -> dict[str, Any]:
                  "{{model}}")], "short", 0, 64,
                "Replicas that answered the routers' last load poll (replicas that are starting "
                "or draining are not counted)."),
+        _panel(18, "Time per output token (per request)",
+               _quantiles("ray_vllm_request_time_per_output_token_seconds"), "s", 12, 64,
+               "TPOT of finished requests: their decode time over their output tokens after "
+               "the first."),
+        _panel(19, "Engine time split (p90): queue, prefill, decode",
+               [(f"histogram_quantile(0.9, sum by (le, model_name) (rate({_bucket(name)}"
+                 f"{rate})))", f"{label} {{{{model_name}}}}")
+                for name, label in (("ray_vllm_request_queue_time_seconds", "queue"),
+                                    ("ray_vllm_request_prefill_time_seconds", "prefill"),
+                                    ("ray_vllm_request_decode_time_seconds", "decode"))],
+               "s", 0, 72,
+               "Where a request's engine time goes. Queue time above a step or two means the "
+               "router sends more than the engine starts (see the admission panels)."),
+        _panel(20, "Finished requests by reason",
+               [(f"sum by (model_name, finished_reason) "
+                 f"(rate({_sel('ray_vllm_request_success_total')}{rate}))",
+                 "{{model_name}} {{finished_reason}}")], "reqps", 12, 72,
+               "stop: the model ended it; length: max_tokens or the context; abort: the client "
+               "went away (its engine work was stopped)."),
+        _panel(21, "Preemptions per second",
+               [(f"sum by (model_name) "
+                 f"(rate({_sel('ray_vllm_request_num_preemptions', '_sum')}{rate}))",
+                 "{{model_name}}")], "short", 0, 80,
+               "Requests evicted from the batch because the KV cache ran out; each one is "
+               "recomputed. Above zero for long: fewer max_num_seqs or more replicas."),
+        _panel(22, "Prompt and output length (p50 / p90)",
+               [(f"histogram_quantile({q}, sum by (le, model_name) (rate({_bucket(name)}"
+                 f"{rate})))", f"{label} p{int(q * 100)} {{{{model_name}}}}")
+                for name, label in (("ray_vllm_request_prompt_tokens", "prompt"),
+                                    ("ray_vllm_request_generation_tokens", "output"))
+                for q in (0.5, 0.9)],
+               "short", 12, 80, "Token lengths of finished requests: the workload's shape."),
+        _panel(23, "Healthy replicas and starts by deployment",
+               [(f"sum by (application, deployment) "
+                 f"({metric('ray_serve_deployment_replica_healthy')})",
+                 "healthy {{application}}/{{deployment}}"),
+                (f"sum by (application, deployment) (increase("
+                 f"{metric('ray_serve_deployment_replica_starts_total')}[1h]))",
+                 "starts in 1 h {{application}}/{{deployment}}")], "short", 0, 88,
+               "Replicas passing their health checks, and replica starts over the last hour "
+               "(scale-ups and redeploys; starts without a scale-up are restarts)."),
+        _panel(24, f"TTFT objective: share within {TTFT_SLO_S} s",
+               [(f"sum by (model) (rate({_sel(TTFT, '_bucket', SLO_BUCKET)}"
+                 f"{rate})) / sum by (model) (rate({_sel(TTFT, '_count')}{rate}))",
+                 "{{model}}")], "percentunit", 12, 88,
+               f"Streamed requests whose first token came within {TTFT_SLO_S} s of arrival at "
+               f"the router (the alert's objective is {TTFT_SLO_TARGET:.0%})."),
     ]
     return {
         "uid": "serve-app-serving",

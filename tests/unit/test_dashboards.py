@@ -19,7 +19,8 @@ def test_every_query_uses_known_metrics():
         assert dash["panels"]
         for panel in dash["panels"]:
             for target in panel["targets"]:
-                used = set(re.findall(r"\b(ray_[a-z0-9_]+?)(?:_bucket)?\b", target["expr"]))
+                used = set(re.findall(r"\b(ray_[a-z0-9_]+?)(?:_bucket|_sum|_count)?\b",
+                                      target["expr"]))
                 assert used, target["expr"]
                 assert used <= set(METRICS), used - set(METRICS)
 
