@@ -27,9 +27,9 @@ from serve_app.config import APP_NAME, AppConfig
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
 from serve_app.ingress.admission import AdmissionController, NoReplicaInTime, QueueFull, Slot
 from serve_app.ingress.engine_feed import EngineFeed
-from serve_app.ingress import openapi
 from serve_app.ingress.errors import OpenAIError, install_error_handlers
 from serve_app.ingress.live_config import REFRESH_S, read_tenants, tenants_version
+from serve_app.ingress.openapi import install as install_openapi
 from serve_app.ingress.openapi import request_body
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
@@ -41,7 +41,7 @@ from serve_app.tenancy.keys import Tenant
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="serve-app OpenAI endpoint", docs_url=None, redoc_url=None)
-openapi.install(app, [CompletionRequest, ChatCompletionRequest])
+install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 install_error_handlers(app)
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
