@@ -314,6 +314,11 @@ class OpenAIRouter:
         try:
             body = await read_json_body(http_request, self.settings.max_body_bytes)
             req = parse_request(model_cls, body)
+            # Before anything sized by `n` exists: the response builder allocates one choice
+            # per `n`, and an n of 10**12 once took the router replica's memory and event loop
+            # (found by the schema fuzzer).
+            if req.n > self.settings.max_n:
+                raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
             # Only served names become metric labels: client strings must not grow the series.
             label = req.model if req.model in self.streams else "unknown"
             request_id = f"{id_prefix}{uuid.uuid4().hex}"
@@ -348,8 +353,6 @@ class OpenAIRouter:
                      builder: ResponseBuilder, tenant: Tenant, slot: Slot, arrived: float
                      ) -> Response:
         handle = self._stream_handle(req.model, tenant)
-        if req.n > self.settings.max_n:
-            raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
         self.gate.admit(tenant)
         # From here until the response starts, watch the client: one that leaves while its
         # request is queued or in prefill frees its place and the engine at once.

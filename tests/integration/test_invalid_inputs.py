@@ -20,6 +20,12 @@ CASES = [
      "temperature"),
     ("top-p-zero", "POST", COMP, {"model": M, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("n-too-large", "POST", COMP, {"model": M, "prompt": "x", "n": 1000}, 400, "n"),
+    # Regression (router hang found by the schema fuzzer): an `n` of 10**12 was checked only
+    # after the response builder had allocated one choice per `n`; the replica ran out of memory.
+    ("huge-n-regression-router-hang", "POST", COMP, {"model": M, "prompt": "x", "n": 10**12},
+     400, "n"),
+    ("chat-huge-n-regression-router-hang", "POST", CHAT,
+     {"model": M, "messages": [{"role": "user", "content": "x"}], "n": 10**12}, 400, "n"),
     ("wrong-type", "POST", COMP, {"model": M, "prompt": {"text": "x"}}, 400, "prompt"),
     ("context-too-long", "POST", COMP, {"model": M, "prompt": "x" * 3000, "max_tokens": 4}, 400,
      "prompt"),
