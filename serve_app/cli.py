@@ -162,6 +162,15 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     return run_vllm_cli(args.vllm_args)
 
 
+def cmd_haproxy_binary(args: argparse.Namespace) -> int:
+    """Write this node's HAProxy wrapper (no kernel splicing) and print its path, for
+    ``export RAY_SERVE_HAPROXY_BINARY_PATH=$(serve-app haproxy-binary)`` before ``ray start``."""
+    from serve_app.ingress.haproxy import write_wrapper
+
+    print(write_wrapper(Path(args.dir) if args.dir else None))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="serve-app", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=["new", "digest"])
     p.add_argument("tenant", nargs="?", default="my-team")
     p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("haproxy-binary", help="write this node's HAProxy wrapper (no kernel "
+                       "splicing, so client disconnects get through) and print its path")
+    p.add_argument("--dir", default=None, help="folder for the wrapper (default: a per-user "
+                   "folder under the temp dir)")
+    p.set_defaults(func=cmd_haproxy_binary)
 
     p = sub.add_parser("vllm", help="vLLM's own CLI (serve, bench serve) on either vLLM build")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.config import APP_NAME, AppConfig
+from serve_app.ingress import haproxy
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +107,19 @@ def start_stack(config: AppConfig, address: str | None = None,
     from serve_app.app import build_app, ray_env
 
     # Serve reads these when it is imported by Ray's processes, so they go in before Ray starts.
-    for key, value in ray_env(config).items():
+    env = ray_env(config)
+    if config.router.high_throughput and address is None:
+        # HAProxy without kernel splicing, or client disconnects of POSTs never reach the
+        # router (serve_app/ingress/haproxy.py). A binary the operator chose is kept.
+        env[haproxy.BINARY_ENV] = str(haproxy.write_wrapper())
+    for key, value in env.items():
         os.environ.setdefault(key, value)
+    wanted = env.get(haproxy.BINARY_ENV)
+    if wanted and os.environ[haproxy.BINARY_ENV] != wanted:
+        logger.warning("%s=%s is used as set; unless it runs HAProxy with %s, clients that "
+                       "leave a non-streaming or queued request are not noticed",
+                       haproxy.BINARY_ENV, os.environ[haproxy.BINARY_ENV],
+                       haproxy.NO_SPLICE_FLAG)
     if address is None:
         reap_leftovers()
     # The dashboard executes code for whoever reaches it: keep it on localhost.

@@ -42,3 +42,11 @@ def test_nodes_start_with_the_apps_ray_environment():
     for cmds in (cfg["head_start_ray_commands"], cfg["worker_start_ray_commands"]):
         for key, value in HIGH_THROUGHPUT_ENV.items():
             assert f"{key}={value}" in " ".join(cmds)
+
+
+def test_nodes_start_haproxy_without_kernel_splicing():
+    from serve_app.ingress.haproxy import BINARY_ENV
+
+    cfg = _config()
+    for cmds in (cfg["head_start_ray_commands"], cfg["worker_start_ray_commands"]):
+        assert f"export {BINARY_ENV}=$(serve-app haproxy-binary)" in " ".join(cmds)
