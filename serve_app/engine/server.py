@@ -83,6 +83,12 @@ class LLMServer:
             "unfinished": unfinished() if unfinished else load.running + load.waiting,
         }
 
+    async def engine_started_order(self) -> list[str]:
+        """Request ids in the order this replica's engine started them, where the engine
+        records it (the scripted engine, for ordering tests); empty otherwise."""
+        order = getattr(self.engine, "started_order", None)
+        return order() if order else []
+
     def router_backlog(self) -> int:
         """Requests the routers hold queued for this model, from their fresh reports."""
         now = time.monotonic()

@@ -1,0 +1,169 @@
+"""Ordering and race tests of the real router on Ray Serve, with the scripted engine behind it.
+
+The router, Serve, HAProxy and the admission feed are the real ones; the engine is
+:class:`serve_app.engine.scripted.ScriptedEngine` (vLLM's batch limit and priority-ordered
+waiting queue, one step every 20 ms, no model), so a batch frees its places on a fixed beat and
+the order in which the engine started requests is recorded exactly. The real-engine versions of
+these behaviours stay in test_fair_queue.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import HEADROOM, wait_until
+
+pytestmark = pytest.mark.integration
+
+APP = "scripted"
+PREFIX = "/scripted"
+MODEL = "scripted"
+BATCH = 4
+STEP_S = 0.02
+TOKENS = 30  # one request holds a batch place for TOKENS steps (0.6 s)
+
+
+@pytest.fixture(scope="module")
+def scripted(stack):
+    """The stack's router configuration and tenants in front of one scripted-engine replica."""
+    from ray import serve
+
+    from serve_app.app import build_app, llm_server_name
+    from serve_app.config import ModelSettings
+    from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
+
+    cfg = stack["config"]
+    model = ModelSettings(name=MODEL, path=str(stack["path"]), device="cpu",
+                          max_model_len=2048, engine_kwargs={
+                              "max_num_seqs": BATCH, "scripted_step_s": STEP_S})
+    serve.run(build_app(cfg.model_copy(update={"models": [model]}), SCRIPTED_ENGINE_CLASS),
+              name=APP, route_prefix=PREFIX, blocking=False)
+    router = serve.get_deployment_handle("Router", app_name=APP)
+    server = serve.get_deployment_handle(llm_server_name(MODEL), app_name=APP)
+    base = stack["base"] + PREFIX
+    wait_until(lambda: _ok(f"{base}/v1/models", stack), 120, 0.2)
+
+    def state() -> dict:
+        return router.admission_state.remote().result(timeout_s=30)[MODEL]
+
+    yield {"base": base, "state": state, "keys": stack["keys"],
+           "started": lambda: server.engine_started_order.remote().result(timeout_s=30),
+           "load": lambda: server.engine_load.remote().result(timeout_s=30)}
+    serve.delete(APP)
+
+
+def _ok(url: str, stack) -> bool:
+    try:
+        return httpx.get(url, headers=stack["headers"], timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def _complete(client: httpx.AsyncClient, s, tenant: str, ids: list, stream: bool = False,
+                    max_tokens: int = TOKENS) -> None:
+    """One completion as ``tenant``; appends (tenant, request id) once it is answered."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": stream}
+    headers = {"Authorization": f"Bearer {s['keys'][tenant]}"}
+    async with client.stream("POST", f"{s['base']}/v1/completions", json=body,
+                             headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        await r.aread()
+        ids.append((tenant, r.headers["x-request-id"]))
+
+
+def test_high_priority_starts_before_every_waiting_normal_request(scripted):
+    """team-a floods; then team-c (normal) sends three requests and team-b (high) three, in that
+    order. The engine starts all of team-b's before team-c's waiting ones (team-c's first goes
+    in at once: a tenant with nothing in flight), and before the flood's backlog.
+    Checked against a build without bands (team-b made normal): team-c's second request then
+    started before team-b's second, and this test failed."""
+    s = scripted
+    samples: list[dict] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append(s["state"]())
+            time.sleep(0.05)
+
+    async def main() -> tuple[list, int]:
+        ids: list = []
+        async with httpx.AsyncClient(timeout=120) as client:
+            flood = [asyncio.create_task(_complete(client, s, "team-a", ids))
+                     for _ in range(6 * BATCH)]
+            # A backlog in the router: the batch, the engine's small queue and team-a's first
+            # request are out, the rest waits.
+            await asyncio.to_thread(wait_until, lambda: s["state"]()["queued"] >= 3 * BATCH, 60)
+            mark = len(s["started"]())
+            late = []
+            for tenant in ["team-c"] * 3 + ["team-b"] * 3:
+                late.append(asyncio.create_task(_complete(client, s, tenant, ids)))
+                await asyncio.sleep(0.005)  # keeps the arrival order
+            await asyncio.gather(*flood, *late)
+        return ids, mark
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        ids, mark = asyncio.run(main())
+    finally:
+        stop.set()
+        sampler.join()
+    tenant_of = {rid: tenant for tenant, rid in ids}
+    order = [tenant_of.get(rid) for rid in s["started"]()]
+    after = order[mark:]  # what started once the late tenants began to arrive
+    b_last = max(i for i, t in enumerate(after) if t == "team-b")
+    c_positions = [i for i, t in enumerate(after) if t == "team-c"]
+    assert len(c_positions) == 3 and b_last < c_positions[1], after
+    # The flood's backlog waits for team-b too; only what the engine already held (its queue of
+    # HEADROOM) or had in transit may start in between.
+    flood_between = sum(1 for t in after[:b_last] if t == "team-a")
+    assert flood_between <= 2 * HEADROOM, after
+    # The backlog waited in the router, not in the engine.
+    busy = [x for x in samples if x["queued"] > 0]
+    assert busy and max(x["engine_running"] for x in busy) <= BATCH
+    assert max(x["engine_waiting"] for x in busy) <= 2 * HEADROOM, busy
+
+
+def test_requests_cancelled_at_any_moment_leave_no_slot_behind(scripted):
+    """Sixty requests (half streamed) against a full batch, each abandoned by its client at a
+    random moment: before admission, while queued, in the first step, mid-stream or just as it
+    ends. Afterwards the router holds nothing and the engine runs nothing; a single leaked slot
+    shows as in_flight == 1 (and would throttle the model for good)."""
+    s = scripted
+    rng = random.Random(7)
+
+    async def abandon(client: httpx.AsyncClient, tenant: str, stream: bool, after_s: float):
+        task = asyncio.create_task(_complete(client, s, tenant, [], stream=stream,
+                                             max_tokens=15))
+        await asyncio.sleep(after_s)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            await asyncio.gather(*[
+                abandon(client, rng.choice(["team-a", "team-c"]), i % 2 == 0,
+                        rng.uniform(0.0, 1.5)) for i in range(60)])
+
+    asyncio.run(main())
+    state = wait_until(lambda: (x := s["state"]())["in_flight"] == 0 and x["queued"] == 0
+                       and x, 30)
+    load = wait_until(lambda: (x := s["load"]())["unfinished"] == 0 and x["active"] == 0
+                      and x, 30)
+    assert state["capacity"] >= BATCH and load["running"] == 0
+    # And the model still serves.
+    ids: list = []
+
+    async def one() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            await _complete(client, s, "team-a", ids, stream=True, max_tokens=3)
+
+    asyncio.run(one())
+    assert len(ids) == 1
