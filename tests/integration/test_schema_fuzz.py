@@ -25,7 +25,12 @@ MAX_FUZZ_TOKENS = 4
 
 @pytest.fixture
 def api_schema(stack):
-    return schemathesis.openapi.from_url(f"{stack['base']}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{stack['base']}/openapi.json")
+    # Fuzzing only: the coverage phase adds hundreds of boundary cases per operation, most of
+    # them valid, i.e. real engine calls (5.5 minutes of the CPU suite for the two generation
+    # routes); the fuzzing phase's fixed-seed budget is what CI can afford.
+    schema.config.phases.update(phases=["fuzzing"])
+    return schema
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
@@ -47,6 +52,8 @@ def test_fuzzed_requests_never_get_a_server_error(case, stack):
         # n): minutes of CPU per case, for nothing the fuzzer is after.
         if "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
             case.body["max_tokens"] = MAX_FUZZ_TOKENS
+        if isinstance(case.body.get("n"), int) and 2 < case.body["n"] <= 16:
+            case.body["n"] = 2  # valid either way; n multiplies the decode work (n > 16: a 400)
     response = case.call(headers=stack["headers"], timeout=60)
     case.validate_response(response, checks=[not_a_server_error])
 
