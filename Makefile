@@ -10,7 +10,7 @@ CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
 .PHONY: install model prometheus observe grafana-files run test test-unit test-integration bench bench-agreement \
-	bench-fairness clean
+	bench-fairness chaos clean
 
 install: $(VENV)/.installed
 
@@ -86,6 +86,12 @@ bench-agreement: install model
 # The router's fair queue against FIFO: a flooding and a light tenant (bench/RESULTS.md section 4).
 bench-fairness: install model
 	bash bench/fairness.sh
+
+# Faults and overload against a local stack (two engine replicas): disconnect storm, replica
+# kill, overload; figures in bench/out/chaos/{chaos.json,chaos.md}, exit 1 if a bound is missed.
+CHAOS_ARGS ?=
+chaos: install model
+	$(BIN)/serve-app chaos --out bench/out/chaos $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) models

@@ -162,6 +162,12 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     return run_vllm_cli(args.vllm_args)
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from serve_app.bench.chaos import main as chaos_main
+
+    return chaos_main(args)
+
+
 def cmd_haproxy_binary(args: argparse.Namespace) -> int:
     """Write this node's HAProxy wrapper (no kernel splicing) and print its path, for
     ``export RAY_SERVE_HAPROXY_BINARY_PATH=$(serve-app haproxy-binary)`` before ``ray start``."""
@@ -210,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_flood_arguments(p)
     p.set_defaults(func=cmd_flood)
+
+    p = sub.add_parser("chaos", help="faults and overload against a local stack (disconnect "
+                       "storm, replica kill, overload), with figures")
+    from serve_app.bench.chaos import add_arguments as add_chaos_arguments
+
+    add_chaos_arguments(p)
+    p.set_defaults(func=cmd_chaos)
 
     p = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) to a folder")
     p.add_argument("--out", default="dashboards")
