@@ -10,7 +10,7 @@ CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
 .PHONY: install model prometheus observe grafana-files run test test-unit test-integration bench bench-agreement \
-	bench-fairness chaos clean
+	bench-fairness chaos cluster-up cluster-down clean
 
 install: $(VENV)/.installed
 
@@ -92,6 +92,20 @@ bench-fairness: install model
 CHAOS_ARGS ?=
 chaos: install model
 	$(BIN)/serve-app chaos --out bench/out/chaos $(CHAOS_ARGS)
+
+# A GPU cluster on AWS from cluster.yaml, with the app deployed on it. CLUSTER_CONFIG must bind
+# router.host 0.0.0.0 and list tenants (see the header of cluster.yaml).
+CLUSTER_CONFIG ?=
+CLUSTER_TOKEN := .ray-cluster/auth_token
+$(CLUSTER_TOKEN):
+	install -d -m 700 .ray-cluster
+	umask 077 && $(PYTHON) -c "import secrets; print(secrets.token_hex(32))" > $@
+cluster-up: install $(CLUSTER_TOKEN)
+	@test -n "$(CLUSTER_CONFIG)" || { echo "set CLUSTER_CONFIG=deployments/<file>.yaml (router.host 0.0.0.0, tenants listed)"; exit 2; }
+	$(BIN)/ray up -y cluster.yaml
+	$(BIN)/ray exec cluster.yaml "cd serve-app && serve-app deploy --config $(CLUSTER_CONFIG)"
+cluster-down:
+	$(BIN)/ray down -y cluster.yaml
 
 clean:
 	rm -rf $(VENV) models

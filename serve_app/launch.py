@@ -183,6 +183,10 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
                          f"on {running['router']['port']}; a new port needs a restart")
     if running is not None and _structure(running) == _structure(new):
         return DeployResult("live", _record(config))
+    if running is None:
+        # First deploy onto this cluster: Serve's ingress must listen where the config says
+        # (serve.run alone would start it on 127.0.0.1, out of reach of the cluster's clients).
+        serve.start(http_options={"host": config.router.host, "port": config.router.port})
     version = _record(config)
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     return DeployResult("redeployed", version)

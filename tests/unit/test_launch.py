@@ -45,3 +45,32 @@ def test_process_names_with_spaces_and_vanished_processes(tmp_path):
 
 def test_missing_proc_finds_nothing(tmp_path):
     assert find_leftovers(tmp_path / "absent", uid=UID) == []
+
+
+def test_first_deploy_to_a_cluster_listens_where_the_config_says(monkeypatch):
+    """Regression: `serve-app deploy` onto a fresh cluster ran serve.run alone, which starts
+    Serve's ingress on 127.0.0.1:8000, out of the cluster's clients' reach."""
+    import ray
+    from ray import serve
+
+    from serve_app import launch
+    from serve_app.config import DEFAULT_CONFIG, load_config
+    from serve_app.ingress import live_config
+
+    cfg = load_config(DEFAULT_CONFIG)
+    cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={
+        "host": "0.0.0.0", "port": 8011, "allow_open_endpoint": True})})
+    calls: list = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append(("start", kw)))
+    monkeypatch.setattr(serve, "run", lambda *a, **kw: calls.append(("run", kw["name"])))
+    monkeypatch.setattr(launch, "_record", lambda config: "v1")
+    published: dict = {}
+    monkeypatch.setattr(live_config, "read_config", lambda app: published.get(app))
+    assert launch.deploy(cfg).mode == "redeployed"
+    assert calls == [("start", {"http_options": {"host": "0.0.0.0", "port": 8011}}),
+                     ("run", "llm")]
+    # A redeploy onto the running app leaves Serve's ingress as it is.
+    calls.clear()
+    published["llm"] = {**cfg.model_dump(mode="json"), "models": []}
+    assert launch.deploy(cfg).mode == "redeployed" and calls == [("run", "llm")]
