@@ -395,7 +395,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
 
 def load_config(path: str | Path) -> AppConfig:
     """Read and validate a deployment YAML file. Relative model paths resolve against the repo
-    root when the file lies under ``deployments/``, else against the file's folder."""
+    root when the file lies under ``deployments/`` (at any depth), else against the file's folder."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -404,6 +404,8 @@ def load_config(path: str | Path) -> AppConfig:
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     base = path.resolve().parent
-    if base.name == "deployments":
-        base = base.parent
+    # Any depth under deployments/ (deployments/kuberay/...): the repository root.
+    under = next((p for p in (base, *base.parents) if p.name == "deployments"), None)
+    if under is not None:
+        base = under.parent
     return parse_config(data, source=str(path), base_dir=base)
