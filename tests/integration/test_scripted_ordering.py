@@ -26,7 +26,8 @@ PREFIX = "/scripted"
 MODEL = "scripted"
 BATCH = 4
 STEP_S = 0.02
-TOKENS = 30  # one request holds a batch place for TOKENS steps (0.6 s)
+TOKENS = 50  # one request holds a batch place for TOKENS steps (1 s): a place frees about
+# every TOKENS x STEP_S / BATCH = 0.25 s under the flood, far apart from the late arrivals
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +102,18 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
                      for _ in range(6 * BATCH)]
             # A backlog in the router: the batch, the engine's small queue and team-a's first
             # request are out, the rest waits.
-            await asyncio.to_thread(wait_until, lambda: s["state"]()["queued"] >= 3 * BATCH, 60)
+            state = await asyncio.to_thread(
+                wait_until, lambda: (x := s["state"]())["queued"] >= 3 * BATCH and x, 60)
+            # Right after a place freed (the queue just shrank), so that all six arrive before
+            # the next one frees: otherwise team-c's second could take it before team-b's
+            # arrived, which is arrival order, not the bands (seen once in a clean CI run).
+            await asyncio.to_thread(
+                wait_until, lambda: s["state"]()["queued"] < state["queued"], 60, 0.01)
             mark = len(await asyncio.to_thread(s["started"]))
             late = []
             for tenant in ["team-c"] * 3 + ["team-b"] * 3:
                 late.append(asyncio.create_task(_complete(client, s, tenant, ids)))
-                await asyncio.sleep(0.005)  # keeps the arrival order
+                await asyncio.sleep(0.001)  # keeps the arrival order
             await asyncio.gather(*flood, *late)
         return ids, mark
 
@@ -127,10 +134,12 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
     # HEADROOM) or had in transit may start in between.
     flood_between = sum(1 for t in after[:b_last] if t == "team-a")
     assert flood_between <= 2 * HEADROOM, after
-    # The backlog waited in the router, not in the engine.
+    # The backlog waited in the router, not in the engine: the engine holds what its batch
+    # runs plus at most the headroom and the idle tenants' first requests.
     busy = [x for x in samples if x["queued"] > 0]
     assert busy and max(x["engine_running"] for x in busy) <= BATCH
-    assert max(x["engine_waiting"] for x in busy) <= 2 * HEADROOM, busy
+    held = sorted(x["engine_running"] + x["engine_waiting"] for x in busy)
+    assert held[-1] <= BATCH + 2 * HEADROOM, held
 
 
 def test_requests_cancelled_at_any_moment_leave_no_slot_behind(scripted):
