@@ -4,8 +4,8 @@ Starts the embedded default (tiny model, vLLM CPU engine) with two engine replic
 batch and two tenants, through :func:`serve_app.launch.start_stack`, and runs:
 
 1. **disconnect storm**: 200 requests (half streamed) abandoned by their clients 0.5 to 2.5 s
-   after they were sent, while the engines are saturated; bound: within 5 s the engines run and hold nothing, their KV cache is
-   back to idle, and the router holds nothing.
+   after they were sent, while the engines are saturated; bound: within 5 s the engines run and
+   hold nothing, their KV cache is back to idle, and the router holds nothing.
 2. **replica kill**: one of the two engine replicas is killed under 50 streams; bound: only
    requests in flight on the victim fail, each with a terminal signal (an SSE error event, or a
    503 with Retry-After before any byte), none hangs or is cut silently, no engine process is
@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from serve_app.bench.stats import percentile
 from serve_app.config import APP_NAME, DEFAULT_CONFIG, AppConfig, TenantSettings, load_config
 
 BATCH = 4  # max_num_seqs per engine replica: a small batch saturates on the CPU
@@ -67,13 +68,6 @@ class Scenario:
 def _session() -> aiohttp.ClientSession:
     """A client session without aiohttp's default cap of 100 connections (scenarios open more)."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 class Target:
@@ -194,7 +188,8 @@ async def disconnect_storm(t: Target, n: int = 200, after_s: float = 0.5) -> Sce
         await sampler
     left = time.monotonic()
     idle_after = await asyncio.to_thread(_wait, lambda: _idle(t, kv_idle), 30)
-    figures = {"requests": n, "abandoned_after_s": f"{after_s:g}-{after_s + 2:g}", "engines_running_at_peak":
+    figures = {"requests": n, "abandoned_after_s": f"{after_s:g}-{after_s + 2:g}",
+               "engines_running_at_peak":
                peak["running"], "router_queued_at_peak": peak["queued"],
                "idle_after_s": None if idle_after is None else round(idle_after, 2),
                "measured_from": "the last client left", "kv_cache_idle": round(kv_idle, 4),
@@ -261,7 +256,7 @@ async def overload(t: Target, factor: int = 5, duration_s: float = 60.0,
     async with _session() as session:
         baseline = [await request(session, t, "chaos-a", stream=False, max_tokens=16)
                     for _ in range(5)]
-        base_p50 = _pct([r.latency_s for r in baseline], 50)
+        base_p50 = percentile([r.latency_s for r in baseline], 50)
         results: list[Result] = []
         stop_at = time.monotonic() + duration_s
 
@@ -269,7 +264,8 @@ async def overload(t: Target, factor: int = 5, duration_s: float = 60.0,
             # As the openai client does: a refused request is retried after its Retry-After.
             while time.monotonic() < stop_at:
                 res = await request(session, t, "chaos-a", stream=i % 2 == 0, max_tokens=32)
-                res.started_s = round(time.monotonic() - (stop_at - duration_s) - res.latency_s, 3)
+                began = stop_at - duration_s
+                res.started_s = round(time.monotonic() - began - res.latency_s, 3)
                 results.append(res)
                 if res.outcome == "refused" and res.retry_after:
                     await asyncio.sleep(min(float(res.retry_after), 5.0))
@@ -297,11 +293,11 @@ async def overload(t: Target, factor: int = 5, duration_s: float = 60.0,
                "requests": len(results), "statuses": statuses,
                "served_ok": sum(1 for r in results if r.outcome == "ok"),
                "refused": len(refused),
-               "refused_p50_ms": round(1000 * _pct([r.latency_s for r in refused], 50), 1),
-               "refused_p99_ms": round(1000 * _pct([r.latency_s for r in refused], 99), 1),
+               "refused_p50_ms": round(1000 * percentile([r.latency_s for r in refused], 50), 1),
+               "refused_p99_ms": round(1000 * percentile([r.latency_s for r in refused], 99), 1),
                # The bound applies once the overload runs: the first second is the herd of all
                # clients connecting at the same instant (their figure stays in refused_p99_ms).
-               "refused_p99_ms_after_1s": round(1000 * _pct(
+               "refused_p99_ms_after_1s": round(1000 * percentile(
                    [r.latency_s for r in refused if r.started_s >= 1.0], 99), 1),
                "refused_without_retry_after": sum(1 for r in refused if not r.retry_after),
                "server_errors": server_errors, "replica_changes": restarts,

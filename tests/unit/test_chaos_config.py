@@ -25,4 +25,3 @@ def test_report_names_every_bound_and_verdict():
     text = chaos._markdown([s], "serve-app chaos")
     assert "## overload: FAIL" in text
     assert "| refused_p99_ms | 140.0 | < 100 |" in text and "| (server_errors) | | 0 |" in text
-    assert chaos._pct([0.3, 0.1, 0.2], 50) == 0.2 and chaos._pct([], 99) == 0.0
