@@ -32,6 +32,7 @@ path, flood, quiet = sys.argv[1:4]
 cfg = yaml.safe_load(Path(path).read_text())
 cfg["models"][0]["path"] = load_config(path).models[0].path
 cfg.setdefault("router", {})["host"] = "127.0.0.1"
+cfg["router"]["server_timing"] = True  # per-request phases of the quiet tenant's first token
 cfg["tenants"] = [{"name": "flood", "api_key_sha256": [key_digest(flood)]},
                   {"name": "quiet", "api_key_sha256": [key_digest(quiet)]}]
 print(yaml.safe_dump(cfg, sort_keys=False))

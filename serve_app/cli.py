@@ -75,6 +75,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     try:
         base = start_stack(cfg, address=args.address)
+        # ray.init replaced the SIGTERM handler with one that exits mid-call (seen on the GPU
+        # host: the driver aborted while shutting down); ours again, so TERM shuts down cleanly.
+        signal.signal(signal.SIGTERM, _on_signal)
         print(_examples(f"{base}/v1", cfg.models[0].name, keyed=bool(cfg.tenants)), flush=True)
         while not stop["now"]:
             time.sleep(0.5)

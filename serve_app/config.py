@@ -258,6 +258,12 @@ class RouterSettings(_Strict):
         False, description="Serve a non-loopback `host` with no tenants (anyone who reaches "
         "the port uses the GPUs without a key). Refused unless set: add `tenants:` instead.",
     )
+    server_timing: bool = Field(
+        False, description="Send a `Server-Timing` header on generation responses: the "
+        "request's router queue wait, the hop to its replica and the engine's phases up to "
+        "its first token, in ms (see serve_app/engine/timing.py). Off by default: the engine "
+        "queue times it shows reflect other tenants' load.",
+    )
     high_throughput: bool = Field(
         True,
         description="Ray Serve's high-throughput data plane: HAProxy ingress instead of the "

@@ -24,6 +24,8 @@ from typing import Any
 
 import aiohttp
 
+from serve_app.engine.timing import PHASES, parse_server_timing
+
 _GAUGE = re.compile(r"^(?:ray_)?vllm[:_]num_requests_(running|waiting)(?:\{[^}]*\})? ([0-9.e+-]+)",
                     re.M)
 # The stack's router: requests it holds queued and its admission capacity (absent on bare vLLM).
@@ -87,6 +89,8 @@ async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, ke
                 "ignore_eos": True, "temperature": 0.0, "stream": True}
         t0 = time.monotonic()
         first: list[float] = []
+        chunks: list[float] = []  # arrival of every data event, for the stream's step time
+        phases: dict[str, float] = {}
 
         async def one() -> None:
             async with session.post(url, json=body, headers=headers) as r:
@@ -95,9 +99,12 @@ async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, ke
                     await r.read()
                     await asyncio.sleep(0.1)
                     return
+                phases.update(parse_server_timing(r.headers.get("server-timing")))
                 async for line in r.content:
-                    if not first and line.startswith(b"data: {"):
-                        first.append(time.monotonic() - t0)
+                    if line.startswith(b"data: {"):
+                        chunks.append(time.monotonic())
+                        if not first:
+                            first.append(chunks[0] - t0)
 
         try:
             await asyncio.wait_for(one(), max(0.001, stop_at - time.monotonic()))
@@ -107,9 +114,28 @@ async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, ke
             errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
         ttfts.extend(first)
         if log is not None:
+            gaps = [b - a for a, b in zip(chunks, chunks[1:])]
             log.append({"sent_s": round(t0 - start_at, 3),
-                        "ttft_ms": round(first[0] * 1000, 1) if first else None})
+                        "ttft_ms": round(first[0] * 1000, 1) if first else None,
+                        # the engine's step as this stream saw it (chunks may merge steps)
+                        "itl_p50_ms": round(statistics.median(gaps) * 1000, 1) if gaps
+                        else None,
+                        "server_timing_ms": phases})
         await asyncio.sleep(0.05)  # one at a time, a short think time
+
+
+def _phase_medians(log: list[dict[str, Any]]) -> dict[str, float]:
+    """Per Server-Timing phase, its median over the requests that reported it."""
+    by_phase: dict[str, list[float]] = {}
+    for r in log:
+        for name, ms in r.get("server_timing_ms", {}).items():
+            by_phase.setdefault(name, []).append(ms)
+    return {name: round(statistics.median(v), 1)
+            for name, v in sorted(by_phase.items(), key=lambda kv: _phase_order(kv[0]))}
+
+
+def _phase_order(name: str) -> int:
+    return PHASES.index(name) if name in PHASES else len(PHASES)
 
 
 async def _sample_engines(session: aiohttp.ClientSession, urls: list[str], stop_at: float,
@@ -175,6 +201,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                       else None, "errors": quiet_err,
                                       "no_first_token": sum(r["ttft_ms"] is None
                                                             for r in quiet_log),
+                                      "itl_p50_ms": _pct([r["itl_p50_ms"] for r in quiet_log
+                                                          if r["itl_p50_ms"] is not None], 0.5),
+                                      # median of each phase the stack reported per request
+                                      "server_timing_p50_ms": _phase_medians(quiet_log),
                                       "requests": quiet_log},
         "flood": {"completed": acc["ok"], "output_tok_s": round(acc["tokens"] / elapsed, 1),
                   "cut_at_end": acc["cut"], "errors": acc["errors"]},
@@ -224,7 +254,8 @@ def main(args: argparse.Namespace) -> int:
     q, f, e = (result["quiet_under_flood_ttft_ms"], result["flood"], result["engines"])
     print(f"{args.label}: quiet TTFT p50 alone {result['quiet_alone_ttft_ms']['p50']} ms, under "
           f"flood {q['p50']} ms (p90 {q['p90']}, n={q['n']}, {q['no_first_token']} cut before "
-          f"a first token); flood {f['output_tok_s']} out "
+          f"a first token; stream step ~{q['itl_p50_ms']} ms; stack phases "
+          f"{q['server_timing_p50_ms'] or '-'}); flood {f['output_tok_s']} out "
           f"tok/s, errors {f['errors']} {q['errors']}; engines running~{e['running_median']} "
           f"waiting~{e['waiting_median']} (max {e['waiting_max']})")
     return 0

@@ -102,6 +102,11 @@ class GenerationChunk:
     deltas: list[ChoiceDelta]
     prompt_tokens: int
     finished: bool
+    # On the first chunk only, from engines that know them: where the request's time to this
+    # chunk went on the replica side, in milliseconds by phase (see
+    # :data:`serve_app.engine.timing.PHASES`). The router can pass them on in a Server-Timing
+    # header (``router.server_timing``).
+    timing: dict[str, float] | None = None
 
 
 @dataclass(slots=True)

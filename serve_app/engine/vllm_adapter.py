@@ -10,6 +10,7 @@ import asyncio
 import inspect
 import logging
 import sys
+import time
 from typing import Any, AsyncIterator
 
 from serve_app.config import ModelSettings
@@ -20,6 +21,7 @@ from serve_app.engine.protocol import (
     GenerationChunk,
     GenerationRequest,
 )
+from serve_app.engine.timing import replica_phases
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +210,7 @@ class VLLMEngine:
             raise EngineRequestError(str(err)) from None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        entered = time.monotonic()
         ids = await self._prompt_ids_off_loop(request)
         if not ids:
             raise EngineRequestError("the prompt is empty", param="prompt")
@@ -221,8 +224,10 @@ class VLLMEngine:
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt  # prefix cache shared within a tenant only
+        submitted = time.monotonic()
         stream = self._engine.generate(prompt, params, request.request_id,
                                        priority=request.priority if self._priority else 0)
+        first = True
         try:
             async for out in stream:
                 deltas = [
@@ -235,7 +240,13 @@ class VLLMEngine:
                     )
                     for c in out.outputs
                 ]
-                yield GenerationChunk(deltas=deltas, prompt_tokens=n_prompt, finished=out.finished)
+                chunk = GenerationChunk(deltas=deltas, prompt_tokens=n_prompt,
+                                        finished=out.finished)
+                if first:  # once per request: a few subtractions, no per-token cost
+                    first = False
+                    chunk.timing = replica_phases(entered, submitted, time.monotonic(),
+                                                  getattr(out, "metrics", None))
+                yield chunk
         except (ValueError, TypeError) as err:
             # vLLM's own request validation (VLLMValidationError is a ValueError).
             if type(err).__module__.startswith("vllm"):

@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from serve_app.config import APP_NAME, AppConfig
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
+from serve_app.engine.timing import server_timing_header
 from serve_app.ingress.admission import AdmissionController, NoReplicaInTime, QueueFull, Slot
 from serve_app.ingress.engine_feed import EngineFeed
 from serve_app.ingress.errors import OpenAIError, install_error_handlers
@@ -379,6 +380,8 @@ class OpenAIRouter:
         if req.stream:  # a non-streaming response has no first token before its last one
             self.gate.first_token(tenant, req.model, time.monotonic() - arrived)
         headers = {"X-Request-Id": builder.request_id}
+        if self.settings.server_timing and first.timing:
+            headers["Server-Timing"] = server_timing_header(first.timing)
         if req.stream:
             ended = False
 
@@ -429,14 +432,20 @@ class OpenAIRouter:
             raise OpenAIError(503, f"{req.model} has no replica running yet and none started "
                               f"within {self.settings.admission.cold_start_timeout_s:g} s; "
                               "retry shortly", headers={"Retry-After": "5"}) from None
-        self.gate.admitted(tenant, req.model, time.monotonic() - arrived)
+        admitted = time.monotonic()
+        self.gate.admitted(tenant, req.model, admitted - arrived)
         generation = req.to_generation(builder.request_id)
         generation.cache_salt = tenant.cache_salt
         generation.priority = slot.priority
         generation.stream = req.stream
         gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
-            return gen, await self._first_chunk(gen)
+            first = await self._first_chunk(gen)
+            if self.settings.server_timing:  # the router's phases beside the replica's
+                first.timing = {**(first.timing or {}),
+                                "queue": round((admitted - arrived) * 1000, 2),
+                                "dispatch": round((time.monotonic() - admitted) * 1000, 2)}
+            return gen, first
         except BaseException:
             gen.cancel()
             raise

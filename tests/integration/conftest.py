@@ -65,8 +65,9 @@ def stack(tiny_model_path):
     model = cfg.models[0]
     model = model.model_copy(update={"engine_kwargs": {**model.engine_kwargs,
                                                        "max_num_seqs": ENGINE_BATCH}})
+    # Server-Timing on: the phase test reads it (off by default in production configs).
     router = cfg.router.model_copy(update={
-        "port": port, "admission": cfg.router.admission.model_copy(
+        "port": port, "server_timing": True, "admission": cfg.router.admission.model_copy(
             update={"headroom": HEADROOM, "poll_interval_s": 0.05})})
     cfg = cfg.model_copy(update={"router": router, "tenants": tenants, "models": [model]})
     # As `serve-app run` starts it (the same data plane, with the dashboard, whose head writes

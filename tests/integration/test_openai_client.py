@@ -77,3 +77,26 @@ def test_unknown_model_raises_not_found(oai):
     with pytest.raises(openai.NotFoundError) as info:
         oai.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     assert info.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_server_timing_phases_add_up(client, stack, stream):
+    """With ``router.server_timing`` the response says where its time to the first chunk went:
+    the router's queue and dispatch, and inside dispatch the replica's phases from vLLM's own
+    engine-core timestamps (the real CPU engine reports them)."""
+    from serve_app.engine.timing import parse_server_timing
+
+    body = {"model": stack["model"], "prompt": "Hello there", "max_tokens": 4,
+            "ignore_eos": True, "stream": stream}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        r.read()
+        phases = parse_server_timing(r.headers.get("server-timing"))
+    assert set(phases) == {"queue", "dispatch", "replica", "tokenize", "to_engine",
+                           "engine_queue", "prefill", "to_replica"}, phases
+    assert all(v >= 0 for v in phases.values()), phases
+    # The replica's part lies inside the router's dispatch, and is made of its sub-phases.
+    assert phases["replica"] <= phases["dispatch"] + 0.1
+    parts = sum(phases[k] for k in ("tokenize", "to_engine", "engine_queue", "prefill",
+                                    "to_replica"))
+    assert abs(parts - phases["replica"]) < 0.5, phases
