@@ -1,6 +1,10 @@
-"""Live tenant changes on the running stack: `serve-app deploy` with a tenant removed makes its
-key answer 401 within 10 s while other tenants' streams run on, and nothing restarts (the same
-router and engine replicas serve before and after). Restoring the tenant brings its key back."""
+"""Changes to the running stack through `serve-app deploy`.
+
+Tenants change live: with a tenant removed its key answers 401 within 10 s while other tenants'
+streams run on, and nothing restarts (the same router and engine replicas serve before and
+after); restoring the tenant brings its key back. Anything else rolls the replicas: with an engine
+argument changed, Serve starts replicas of the new version and the old ones finish their requests,
+and a steady load of streamed and whole requests sees no failure and no cut stream."""
 
 from __future__ import annotations
 
@@ -22,16 +26,35 @@ def _replica_actors() -> set[str]:
             if a.class_name.startswith("ServeReplica:llm:")}
 
 
+def _whole_requests(stack: dict, results: list, stop: threading.Event) -> None:
+    """team-b sends one non-streamed request after another until stopped; each result is
+    (status, finished with its full length)."""
+    with httpx.Client(base_url=stack["base"], timeout=60,
+                      headers={"Authorization": f"Bearer {stack['keys']['team-b']}"}) as c:
+        while not stop.is_set():
+            try:
+                r = c.post("/v1/completions", json={"model": stack["model"], "prompt": "whole",
+                                                    "max_tokens": 12, "ignore_eos": True})
+            except httpx.HTTPError as err:  # a reset connection is a failure too
+                results.append((type(err).__name__, False))
+                continue
+            ok = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+            results.append((r.status_code, ok))
+
+
 def _streams(stack: dict, results: list, stop: threading.Event) -> None:
     """team-a keeps one stream open after another until stopped; each result is (status,
-    saw [DONE])."""
+    saw [DONE]), or (error name, False) for a connection that broke."""
     with httpx.Client(base_url=stack["base"], timeout=60, headers=stack["headers"]) as c:
         while not stop.is_set():
-            with c.stream("POST", "/v1/completions", json={
-                    "model": stack["model"], "prompt": "live", "max_tokens": 24,
-                    "ignore_eos": True, "stream": True}) as r:
-                done = any(line == "data: [DONE]" for line in r.iter_lines())
-                results.append((r.status_code, done))
+            try:
+                with c.stream("POST", "/v1/completions", json={
+                        "model": stack["model"], "prompt": "live", "max_tokens": 24,
+                        "ignore_eos": True, "stream": True}) as r:
+                    done = any(line == "data: [DONE]" for line in r.iter_lines())
+                    results.append((r.status_code, done))
+            except httpx.HTTPError as err:  # a cut connection is a failure too
+                results.append((type(err).__name__, False))
 
 
 def test_removed_tenant_is_refused_within_seconds_without_restarts(stack):
@@ -64,3 +87,48 @@ def test_removed_tenant_is_refused_within_seconds_without_restarts(stack):
     assert results and all(r == (200, True) for r in results), results
     assert _replica_actors() == before  # no router or engine replica was replaced
     print(f"\nkey revoked after {revoked_after:.2f} s; {len(results)} streams ran through it")
+
+
+def test_engine_argument_change_rolls_replicas_without_a_failed_request_or_cut_stream(stack):
+    from ray import serve
+
+    from serve_app.config import APP_NAME
+    from serve_app.launch import deploy
+
+    cfg = stack["config"]
+    model = cfg.models[0]
+    # A new engine seed: a new replica version, and nothing the greedy tests after this see.
+    rolled = cfg.model_copy(update={"models": [model.model_copy(update={"engine_kwargs": {
+        **model.engine_kwargs, "seed": model.engine_kwargs.get("seed", 0) + 1}})]})
+    before = _replica_actors()
+    streamed: list = []
+    whole: list = []
+    stop = threading.Event()
+    load = [threading.Thread(target=_streams, args=(stack, streamed, stop), daemon=True)
+            for _ in range(2)]
+    load.append(threading.Thread(target=_whole_requests, args=(stack, whole, stop), daemon=True))
+    for t in load:
+        t.start()
+    try:
+        wait_until(lambda: len(streamed) >= 2 and whole, 60, 0.2)  # the load is flowing
+        t0 = time.monotonic()
+        assert deploy(rolled, address=None).mode == "redeployed"
+        stack["config"] = rolled  # what runs from now on, for any later deploy
+
+        def rolled_over() -> bool:
+            now = _replica_actors()
+            app = serve.status().applications[APP_NAME]
+            return bool(now) and not (now & before) and app.status == "RUNNING"
+
+        wait_until(rolled_over, 300, 0.5)
+        took = time.monotonic() - t0
+        during = len(streamed) + len(whole)
+        wait_until(lambda: len(streamed) + len(whole) >= during + 3, 60, 0.2)  # new ones serve
+    finally:
+        stop.set()
+        for t in load:
+            t.join(timeout=120)
+    assert all(r == (200, True) for r in streamed), [r for r in streamed if r != (200, True)]
+    assert all(r == (200, True) for r in whole), [r for r in whole if r != (200, True)]
+    print(f"\nrolled router and engine replicas in {took:.1f} s; {len(streamed)} streams and "
+          f"{len(whole)} whole requests, none failed or cut")
