@@ -10,7 +10,7 @@ CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
 .PHONY: install model prometheus observe grafana-files run test test-unit test-integration bench bench-agreement \
-	bench-fairness chaos cluster-up cluster-down clean
+	bench-fairness chaos dashboard-previews cluster-up cluster-down clean
 
 install: $(VENV)/.installed
 
@@ -69,6 +69,13 @@ test-unit: install
 
 test-integration: install model prometheus
 	PROMETHEUS_BIN=$(abspath $(PROMETHEUS_BIN)) $(BIN)/python -m pytest -v -rs tests/integration $(PYTEST_ARGS)
+
+# dashboards/previews/*.png: the live dashboard test keeps traffic on the local stack for three
+# minutes and draws every panel from its Prometheus, the queries run as Grafana runs them.
+dashboard-previews: install model prometheus
+	DASHBOARD_PREVIEWS_DIR=$(abspath dashboards/previews) PROMETHEUS_BIN=$(abspath $(PROMETHEUS_BIN)) \
+		$(BIN)/python -m pytest -v -rs tests/integration/test_dashboards_prometheus.py \
+		-k every_dashboard_query
 
 # The benchmark against the embedded default: starts the stack, drives it, leaves
 # bench/out/local/{results.json,summary.md,*.png}, stops the stack.

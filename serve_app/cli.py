@@ -133,6 +133,15 @@ def cmd_flood(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
+    if args.preview:
+        from serve_app.observability.previews import render_all
+
+        out = Path(args.out if args.out != "dashboards" else "dashboards/previews")
+        for name, panels in render_all(args.preview, out, args.range_s).items():
+            empty = [title for title, n in panels.items() if not n]
+            print(f"wrote {out / Path(name).stem}.png ({len(panels)} panels"
+                  + (f"; no data: {', '.join(empty)})" if empty else ")"))
+        return 0
     from serve_app.observability.dashboards import write_dashboards
 
     for path in write_dashboards(Path(args.out)):
@@ -228,7 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_chaos)
 
     p = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) to a folder")
-    p.add_argument("--out", default="dashboards")
+    p.add_argument("--out", default="dashboards",
+                   help="folder (with --preview: default dashboards/previews)")
+    p.add_argument("--preview", metavar="PROMETHEUS_URL", default=None,
+                   help="instead: draw each dashboard as a PNG from this Prometheus's data, "
+                   "its panels' queries run as Grafana runs them")
+    p.add_argument("--range-s", type=float, default=300.0,
+                   help="with --preview: the time range drawn, ending now")
     p.set_defaults(func=cmd_dashboards)
 
     p = sub.add_parser("keys", help="make API keys: `keys new TENANT`, `keys digest < KEYFILE`")

@@ -6,7 +6,6 @@ target shows up here as a named panel without data, not as a blank graph in prod
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -21,6 +20,15 @@ import pytest
 import yaml
 
 from serve_app.observability.dashboards import DASHBOARD_DIR, DASHBOARDS
+from serve_app.observability.previews import (
+    datasource_interval_s,
+    finite_points,
+    grafana_step,
+    panel_queries,
+    query_range,
+    rate_interval,
+    render_all,
+)
 
 from .conftest import _free_port
 
@@ -30,26 +38,22 @@ pytestmark = pytest.mark.skipif(
     PROMETHEUS is None or not os.access(PROMETHEUS, os.X_OK),
     reason="no prometheus binary (`make prometheus` fetches Debian's)")
 
-# Grafana replaces $__rate_interval with max(4 x scrape interval, query step + scrape interval);
-# a minute covers several of Ray's metric exports (one every few seconds).
-RATE_INTERVAL = "1m"
+# Each panel's query as Grafana sends it: a range query over the last WINDOW_S with Grafana's step
+# and $__rate_interval for the provisioned datasource's interval (serve_app.observability.previews).
+WINDOW_S = 60.0
+# With this set (`make dashboard-previews`), the test draws the dashboards' PNG previews there
+# after keeping the traffic up for PREVIEW_TRAFFIC_S, so every panel has a few minutes of history.
+PREVIEW_DIR = os.environ.get("DASHBOARD_PREVIEWS_DIR")
+PREVIEW_TRAFFIC_S = 180.0
 
 
 def _dashboard_queries() -> list[tuple[str, str, str, str]]:
     """(dashboard, panel title, PromQL with Grafana's variables filled in, legend format) for
     every target; the `model` variable is at "All" (its allValue, `.*`)."""
-    queries = []
-    for name in DASHBOARDS:
-        dash = json.loads((DASHBOARD_DIR / name).read_text())
-        all_values = {v["name"]: v.get("allValue", ".*")
-                      for v in dash["templating"]["list"] if v["type"] == "query"}
-        for panel in dash["panels"]:
-            for target in panel["targets"]:
-                expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL)
-                for var, value in all_values.items():
-                    expr = expr.replace(f"${var}", value)
-                queries.append((name, panel["title"], expr, target.get("legendFormat", "")))
-    return queries
+    step = grafana_step(WINDOW_S, datasource_interval_s())
+    rate = rate_interval(step, datasource_interval_s())
+    return [(q.dashboard, q.panel, q.expr, q.legend)
+            for name in DASHBOARDS for q in panel_queries(name, rate)]
 
 
 def _legend_gaps(result: list[dict[str, Any]], legend: str) -> set[str]:
@@ -103,9 +107,11 @@ def _query(url: str, expr: str) -> list[dict[str, Any]]:
     return body["data"]["result"]
 
 
-def _has_data(result: list[dict[str, Any]]) -> bool:
-    """At least one series with a finite value (a histogram quantile over no traffic is NaN)."""
-    return any(math.isfinite(float(series["value"][1])) for series in result)
+def _panel_result(url: str, expr: str) -> list[dict[str, Any]]:
+    """The panel's query as Grafana runs it: over the last WINDOW_S, Grafana's step."""
+    end = time.time()
+    return query_range(url, expr, end - WINDOW_S, end,
+                       grafana_step(WINDOW_S, datasource_interval_s()))
 
 
 class _Traffic:
@@ -160,21 +166,43 @@ def test_every_dashboard_query_returns_data(stack, prometheus):
     missing = queries
     gaps: dict[str, set[str]] = {}
     with _Traffic(stack):
-        deadline = time.time() + 150
+        started = time.time()
+        deadline = started + 150
         while missing and time.time() < deadline:
             still = []
             for q in missing:
-                result = _query(prometheus, q[2])
-                if _has_data(result):
+                result = _panel_result(prometheus, q[2])
+                if any(finite_points(series) for series in result):
                     if _legend_gaps(result, q[3]):
                         gaps[q[2]] = _legend_gaps(result, q[3])
                 else:
                     still.append(q)
             missing = still
             time.sleep(2)
+        if PREVIEW_DIR and not missing:
+            time.sleep(max(0.0, started + PREVIEW_TRAFFIC_S - time.time()))
+            drawn = render_all(prometheus, Path(PREVIEW_DIR), range_s=time.time() - started)
+            empty = {d: [t for t, n in panels.items() if not n] for d, panels in drawn.items()}
+            assert not any(empty.values()), f"preview panels drawn without data: {empty}"
     assert not missing, "panels without data:\n" + "\n".join(
         f"  {d} / {title}: {expr}" for d, title, expr, _ in missing)
     assert not gaps, f"legend labels absent from the query's series: {gaps}"
+
+
+def test_previews_draw_every_panel_from_the_live_data(stack, prometheus, tmp_path):
+    """The PNG previews (`serve-app dashboards --preview`) come from the same queries: after the
+    traffic above, every panel of every dashboard draws at least one series."""
+    with _Traffic(stack):
+        deadline = time.time() + 150
+        while True:  # at once when earlier traffic is in Prometheus's history
+            drawn = render_all(prometheus, tmp_path, range_s=300)
+            if all(all(p.values()) for p in drawn.values()) or time.time() > deadline:
+                break
+            time.sleep(2)
+    for name, panels in drawn.items():
+        png = tmp_path / f"{Path(name).stem}.png"
+        assert png.stat().st_size > 10_000, png
+        assert all(panels.values()), {t: n for t, n in panels.items() if not n}
 
 
 def test_per_status_split_matches_the_traffic(stack, prometheus):
