@@ -133,6 +133,16 @@ def cmd_flood(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
+    if args.push:
+        from serve_app.observability.grafana_push import PushError, push_dashboards
+
+        try:
+            for d in push_dashboards(args.push, folder_uid=args.folder_uid):
+                print(f"pushed {d.name}: uid {d.uid}, version {d.version} {d.url}")
+        except PushError as err:
+            print(err, file=sys.stderr)
+            return 1
+        return 0
     if args.preview:
         from serve_app.observability.previews import render_all
 
@@ -244,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                    "its panels' queries run as Grafana runs them")
     p.add_argument("--range-s", type=float, default=300.0,
                    help="with --preview: the time range drawn, ending now")
+    p.add_argument("--push", metavar="GRAFANA_URL", default=None,
+                   help="instead: create or update the dashboards on this Grafana server "
+                   "(token from $GRAFANA_TOKEN)")
+    p.add_argument("--folder-uid", default=None,
+                   help="with --push: an existing Grafana folder (default: General)")
     p.set_defaults(func=cmd_dashboards)
 
     p = sub.add_parser("keys", help="make API keys: `keys new TENANT`, `keys digest < KEYFILE`")
