@@ -7,6 +7,9 @@ Import paths for Serve:
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from serve_app.engine.placement import replica_placement
 from serve_app.engine.server import DEFAULT_ENGINE_CLASS, LLMServer
 from serve_app.ingress.router import OpenAIRouter
 
+ROUTER_DEPLOYMENT = "Router"  # the name OpenAIRouter's @serve.deployment gives it
 GRACEFUL_SHUTDOWN_S = DEFAULT_DRAIN_TIMEOUT_S  # a model's drain_timeout_s by default
 HEALTH_CHECK_PERIOD_S = 5
 HEALTH_CHECK_TIMEOUT_S = 30
@@ -87,10 +91,18 @@ def llm_server_options(m: ModelSettings) -> dict[str, Any]:
 
 
 def build_app(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS) -> Application:
-    """The Serve application for ``config``; ``engine_class`` injects the engine (tests)."""
+    """The Serve application for ``config``; ``engine_class`` injects the engine (tests).
+
+    Each deployment carries a version made of its constructor arguments and this package's
+    code (:func:`deployment_version`). On a redeploy Serve replaces only the replicas whose
+    version changed and applies option changes (replica counts, autoscaling) in place:
+    engine arguments roll the engines behind routers that stay, router settings roll the
+    routers and leave the engines (minutes of GPU start-up) alone. Without versions Serve
+    replaces every replica of an imperatively deployed app on every deploy."""
+    versions = deployment_versions(config, engine_class)
     servers = {
-        m.name: serve.deployment(LLMServer)
-        .options(**llm_server_options(m))
+        m.name: serve.deployment(LLMServer).options(**llm_server_options(m))
+        .options(_internal=True, version=versions[llm_server_name(m.name)])
         .bind(m.model_dump(mode="json"), engine_class)
         for m in config.models
     }
@@ -98,8 +110,58 @@ def build_app(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS) -> Ap
         num_replicas=config.router.num_replicas,
         max_ongoing_requests=config.router.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
-    )
-    return router.bind(config.model_dump(mode="json"), servers)
+    ).options(_internal=True, version=versions[ROUTER_DEPLOYMENT])
+    return router.bind(router_view(config).model_dump(mode="json"), servers)
+
+
+def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS
+                        ) -> dict[str, str]:
+    """Serve deployment name -> the version :func:`build_app` gives it (pure; unit-tested)."""
+    versions = {llm_server_name(m.name): deployment_version(m.model_dump(mode="json"),
+                                                            engine_class)
+                for m in config.models}
+    versions[ROUTER_DEPLOYMENT] = deployment_version(
+        router_view(config).model_dump(mode="json"), sorted(m.name for m in config.models))
+    return versions
+
+
+def deployment_version(*init_args: Any) -> str:
+    """A deployment's version: its constructor arguments and the code of ``serve_app``.
+
+    Serve's public API no longer takes versions (``_internal`` is how Serve sets them itself);
+    an imperative deploy without one counts every deployment as changed. The code digest
+    makes an upgrade of this package roll every deployment, as it must."""
+    digest = hashlib.sha256(json.dumps(init_args, sort_keys=True, default=str).encode())
+    digest.update(_code_digest().encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """SHA-256 of every source file of the serve_app package (path and content)."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def router_view(config: AppConfig) -> AppConfig:
+    """``config`` as the router needs it: each model's engine arguments and environment left
+    out (the one value the router derives from them, the autoscaling target, resolved).
+
+    The router's version is made of these arguments (:func:`build_app`). Bound to the whole
+    config, an engine-argument change also replaced the router replicas, and with them
+    HAProxy's backends: clients whose keep-alive connection the old HAProxy worker closed got
+    "Server disconnected without sending a response" (seen in the rolling-update test, 2 of
+    ~20 streams). The engines roll behind routers that stay."""
+    models = [m.model_copy(update={
+        "engine_kwargs": {}, "engine_env": {},
+        "autoscaling": m.autoscaling.model_copy(
+            update={"target_per_replica": m.target_per_replica})})
+        for m in config.models]
+    return config.model_copy(update={"models": models})
 
 
 def app_builder(args: dict[str, str]) -> Application:

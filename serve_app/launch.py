@@ -164,9 +164,12 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
 
     A change of tenants only (keys, priorities, model access, quotas) is published live: every
     router replica enforces it within about a second, no replica restarts and no stream is cut.
-    Any other change (models, engine arguments, router settings) redeploys the app: Serve starts
-    replicas of the new version and stops the old ones, which finish their requests first (up
-    to the model's drain_timeout_s). The HTTP host and port of a running Serve cannot change.
+    Any other change redeploys the app, and Serve replaces only the deployments whose version
+    changed (serve_app.app.deployment_versions): engine arguments roll that model's engines
+    behind the same routers, router settings roll the routers and leave the engines; replica
+    counts and autoscaling apply in place. New replicas start first, the old ones finish their
+    requests (up to the model's drain_timeout_s). The HTTP host and port of a running Serve
+    cannot change.
     """
     import ray
     from ray import serve

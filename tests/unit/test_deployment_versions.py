@@ -1,0 +1,56 @@
+"""Deployment versions (serve_app.app.deployment_versions): what a redeploy rolls.
+
+Serve replaces a deployment's replicas when its version changes and applies option changes in
+place when it does not; these tests pin which config changes reach which deployment."""
+
+from pathlib import Path
+
+from serve_app.app import ROUTER_DEPLOYMENT, deployment_versions, llm_server_name
+from serve_app.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config():
+    return load_config(REPO / "deployments" / "local-cpu.yaml")
+
+
+def _with_model(cfg, **update):
+    return cfg.model_copy(update={"models": [cfg.models[0].model_copy(update=update)]})
+
+
+def test_same_config_same_versions():
+    assert deployment_versions(_config()) == deployment_versions(_config())
+
+
+def test_engine_argument_change_rolls_the_engines_only():
+    cfg = _config()
+    engine = llm_server_name(cfg.models[0].name)
+    changed = _with_model(cfg, engine_kwargs={**cfg.models[0].engine_kwargs, "seed": 7})
+    before, after = deployment_versions(cfg), deployment_versions(changed)
+    assert after[engine] != before[engine]
+    assert after[ROUTER_DEPLOYMENT] == before[ROUTER_DEPLOYMENT]
+
+
+def test_router_setting_change_rolls_the_router_only():
+    cfg = _config()
+    engine = llm_server_name(cfg.models[0].name)
+    changed = cfg.model_copy(update={"router": cfg.router.model_copy(update={"max_n": 3})})
+    before, after = deployment_versions(cfg), deployment_versions(changed)
+    assert after[ROUTER_DEPLOYMENT] != before[ROUTER_DEPLOYMENT]
+    assert after[engine] == before[engine]
+
+
+def test_a_max_num_seqs_change_reaches_the_router_through_its_autoscaling_target():
+    # The router sizes demand per replica from max_num_seqs when no target is set.
+    cfg = _config()
+    changed = _with_model(cfg, engine_kwargs={**cfg.models[0].engine_kwargs, "max_num_seqs": 3})
+    assert (deployment_versions(changed)[ROUTER_DEPLOYMENT]
+            != deployment_versions(cfg)[ROUTER_DEPLOYMENT])
+
+
+def test_another_engine_class_is_another_engine_version():
+    cfg = _config()
+    engine = llm_server_name(cfg.models[0].name)
+    assert (deployment_versions(cfg, "serve_app.engine.scripted:ScriptedEngine")[engine]
+            != deployment_versions(cfg)[engine])
