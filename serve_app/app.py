@@ -98,7 +98,9 @@ def build_app(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS) -> Ap
     version changed and applies option changes (replica counts, autoscaling) in place:
     engine arguments roll the engines behind routers that stay, router settings roll the
     routers and leave the engines (minutes of GPU start-up) alone. Without versions Serve
-    replaces every replica of an imperatively deployed app on every deploy."""
+    replaces every replica of an imperatively deployed app on every deploy. (Serve's
+    declarative path, `serve deploy` and KubeRay's RayService, gives every deployment the
+    config's code version instead and ignores these.)"""
     versions = deployment_versions(config, engine_class)
     servers = {
         m.name: serve.deployment(LLMServer).options(**llm_server_options(m))
