@@ -20,6 +20,9 @@ Phases, in order (milliseconds):
 * ``engine_queue``: in vLLM's waiting queue until a step scheduled it;
 * ``prefill``: scheduled -> first token (the prompt's steps, other requests' work included);
 * ``to_replica``: the engine core's output -> the replica's ``generate`` loop.
+
+A non-streamed request's first chunk is its whole completion (vLLM's final output only), so
+there ``dispatch``, ``replica`` and ``to_replica`` include the decode as well.
 """
 
 from __future__ import annotations
