@@ -263,6 +263,7 @@ class OpenAIRouter:
         """Per model: requests in flight and queued, the capacity and the live replicas as the
         engine feed saw them (for `serve-app status`-style tools and white-box tests)."""
         return {name: {"in_flight": a.in_flight, "queued": a.queued(), "capacity": a.capacity,
+                       "in_flight_by_tenant": dict(a.tenant_in_flight),
                        "replicas": len(self.feeds[name].replicas),
                        "engine_waiting": sum(r.waiting for r in self.feeds[name].replicas),
                        "engine_running": sum(r.running for r in self.feeds[name].replicas)}
