@@ -17,4 +17,4 @@ pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)
 [ -n "$pids" ] && kill -9 $pids 2>/dev/null
 pkill -9 -f haproxy 2>/dev/null
 sleep 1
-[ $# -gt 0 ] && exec "$@"
+if [ $# -gt 0 ]; then exec "$@"; fi

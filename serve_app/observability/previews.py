@@ -12,6 +12,7 @@ scraped the running stack for a few minutes), or ``make dashboard-previews``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -28,6 +29,7 @@ from serve_app.observability.dashboards import DASHBOARD_DIR, DASHBOARDS
 MAX_DATA_POINTS = 600
 
 
+@functools.lru_cache(maxsize=1)
 def datasource_interval_s() -> float:
     """The provisioned datasource's ``timeInterval`` (Grafana's minimum step and the base of
     ``$__rate_interval``), from ``dashboards/provisioning/datasources.yaml``."""

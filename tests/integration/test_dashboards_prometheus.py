@@ -5,7 +5,6 @@ target shows up here as a named panel without data, not as a blank graph in prod
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -190,8 +189,8 @@ def test_every_dashboard_query_returns_data(stack, prometheus):
 
 
 def test_previews_draw_every_panel_from_the_live_data(stack, prometheus, tmp_path):
-    """The PNG previews (`serve-app dashboards --preview`) come from the same queries: after the
-    traffic above, every panel of every dashboard draws at least one series."""
+    """The PNG previews (`serve-app dashboards --preview`) come from the same queries: under
+    traffic, every panel of every dashboard draws at least one series."""
     with _Traffic(stack):
         deadline = time.time() + 150
         while True:  # at once when earlier traffic is in Prometheus's history
