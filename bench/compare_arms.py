@@ -27,6 +27,8 @@ def compare(bare: dict, stack: dict) -> list[dict]:
             "bare_ttft_p99": b["ttft_ms"]["p99"], "stack_ttft_p99": s["ttft_ms"]["p99"],
             "bare_tpot_p50": b["tpot_ms"]["median"], "stack_tpot_p50": s["tpot_ms"]["median"],
             "tpot_p50_ratio": s["tpot_ms"]["median"] / max(b["tpot_ms"]["median"], 1e-9),
+            "bare_itl_p50": b["itl_ms"]["median"], "stack_itl_p50": s["itl_ms"]["median"],
+            "itl_p50_ratio": s["itl_ms"]["median"] / max(b["itl_ms"]["median"], 1e-9),
             "failed": b["failed"] + s["failed"],
         })
     return rows
@@ -35,14 +37,16 @@ def compare(bare: dict, stack: dict) -> list[dict]:
 def markdown(rows: list[dict], title: str) -> str:
     lines = [f"### {title}", "",
              "| conc | bare out tok/s | stack out tok/s | ratio | TTFT p50 bare / stack (ms) "
-             "| TTFT p99 bare / stack (ms) | TPOT p50 bare / stack (ms) | TPOT ratio | failed |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| TTFT p99 bare / stack (ms) | TPOT p50 bare / stack (ms) | TPOT ratio "
+             "| ITL p50 bare / stack (ms) | ITL ratio | failed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(
             f"| {r['concurrency']} | {r['bare_out_tok_s']:.0f} | {r['stack_out_tok_s']:.0f} | "
             f"{r['throughput_ratio']:.3f} | {r['bare_ttft_p50']:.1f} / {r['stack_ttft_p50']:.1f} | "
             f"{r['bare_ttft_p99']:.1f} / {r['stack_ttft_p99']:.1f} | "
             f"{r['bare_tpot_p50']:.2f} / {r['stack_tpot_p50']:.2f} | {r['tpot_p50_ratio']:.3f} | "
+            f"{r['bare_itl_p50']:.2f} / {r['stack_itl_p50']:.2f} | {r['itl_p50_ratio']:.2f} | "
             f"{r['failed']} |")
     return "\n".join(lines) + "\n"
 

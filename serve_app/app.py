@@ -28,6 +28,7 @@ from serve_app.config import (
 from serve_app.engine.placement import replica_placement
 from serve_app.engine.server import DEFAULT_ENGINE_CLASS, LLMServer
 from serve_app.ingress.router import OpenAIRouter
+from serve_app.routing.pinned import ROUTER_CLASS as PINNED_ROUTER_CLASS
 
 ROUTER_DEPLOYMENT = "Router"  # the name OpenAIRouter's @serve.deployment gives it
 GRACEFUL_SHUTDOWN_S = DEFAULT_DRAIN_TIMEOUT_S  # a model's drain_timeout_s by default
@@ -62,6 +63,8 @@ def llm_server_options(m: ModelSettings) -> dict[str, Any]:
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "graceful_shutdown_timeout_s": m.drain_timeout_s,
+        # Output channels are opened on one named replica (serve_app/routing/pinned.py).
+        "request_router_config": {"request_router_class": PINNED_ROUTER_CLASS},
         **replica_placement(m).deployment_options(),
     }
     if a.min_replicas == a.max_replicas:

@@ -264,6 +264,11 @@ class RouterSettings(_Strict):
         "its first token, in ms (see serve_app/engine/timing.py). Off by default: the engine "
         "queue times it shows reflect other tenants' load.",
     )
+    output_channels: bool = Field(
+        True, description="Streamed chunks after a request's first travel from each engine "
+        "replica to each router replica batched: one message per engine step instead of one "
+        "per stream (serve_app/engine/channel.py). Off: one Serve stream message per chunk.",
+    )
     high_throughput: bool = Field(
         True,
         description="Ray Serve's high-throughput data plane: HAProxy ingress instead of the "

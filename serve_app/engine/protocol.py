@@ -1,8 +1,12 @@
 """The engine contract every LLMServer replica drives, and the records that cross the Ray hop.
 
 The router never sees vLLM objects: it sends a :class:`GenerationRequest` and receives
-:class:`GenerationChunk` records. Both are small slotted dataclasses because one chunk crosses a
-process boundary per engine step per request, the hottest path in the system.
+:class:`GenerationChunk` records. One chunk crosses a process boundary per engine step per
+request, the hottest path in the system, so a chunk travels in its wire form
+(:meth:`GenerationChunk.to_wire`): nested tuples of builtins, about 20% cheaper per streamed
+item than the dataclass on Serve's gRPC hop (``bench/serve_hop.py``, bench/RESULTS.md section
+12). Most of that hop's cost is per message, whatever it holds: the chunks after a request's
+first travel batched across requests (:mod:`serve_app.engine.channel`).
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ class GenerationRequest:
     # False: the caller needs only the finished result, so the engine may yield one chunk (the
     # whole completion, finished=True) instead of one per step. Engines may still stream.
     stream: bool = True
+    # The router replica whose output channel carries the chunks after the first
+    # (serve_app/engine/channel.py); None: every chunk comes back on the request's own stream.
+    reply_to: str | None = None
 
 
 @dataclass(slots=True)
@@ -89,6 +96,12 @@ class ChoiceDelta:
     num_tokens: int
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+# (index, text, num_tokens, finish_reason, stop_reason) per choice with news, then prompt_tokens,
+# finished, timing and replica. msgpack hands tuples back as lists; from_wire takes either.
+WireDelta = tuple[int, str, int, "str | None", "int | str | None"]
+WireChunk = tuple[tuple[WireDelta, ...], int, bool, "dict[str, float] | None", "str | None"]
 
 
 @dataclass(slots=True)
@@ -107,6 +120,21 @@ class GenerationChunk:
     # :data:`serve_app.engine.timing.PHASES`). The router can pass them on in a Server-Timing
     # header (``router.server_timing``).
     timing: dict[str, float] | None = None
+    # On the first chunk only: the Serve id of the LLMServer replica serving the request (the
+    # router opens its output channel to that replica).
+    replica: str | None = None
+
+    def to_wire(self) -> WireChunk:
+        """This chunk as builtins only, for the Ray hop (see the module docstring)."""
+        return (tuple((d.index, d.text, d.num_tokens, d.finish_reason, d.stop_reason)
+                      for d in self.deltas),
+                self.prompt_tokens, self.finished, self.timing, self.replica)
+
+    @classmethod
+    def from_wire(cls, wire: WireChunk | list[Any]) -> "GenerationChunk":
+        """The chunk :meth:`to_wire` encoded (tuples or the lists msgpack turns them into)."""
+        deltas, prompt_tokens, finished, timing, replica = wire
+        return cls([ChoiceDelta(*d) for d in deltas], prompt_tokens, finished, timing, replica)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,8 @@ import time
 from typing import Any, AsyncIterator
 
 from serve_app.config import ModelSettings
-from serve_app.engine.protocol import Engine, GenerationChunk, GenerationRequest
+from serve_app.engine.channel import Batch, OutputChannels
+from serve_app.engine.protocol import Engine, GenerationRequest, WireChunk
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +47,46 @@ class LLMServer:
         # router id -> (requests it holds queued for this model, when it said so)
         self._backlog: dict[str, tuple[int, float]] = {}
         self.replica_id = _replica_id()
+        self.channels = OutputChannels()
         await self.engine.start()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream the engine's chunks for ``request``; cancellation aborts the engine's work."""
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[WireChunk]:
+        """Stream the engine's chunks for ``request`` in their wire form
+        (:meth:`GenerationChunk.from_wire` reads them); cancellation aborts the engine's work.
+
+        With ``request.reply_to`` (a router replica's id) only the first chunk, which names
+        this replica, comes back here; the later ones go through that router's output channel
+        (:mod:`serve_app.engine.channel`) while this stream stays open until the engine is
+        done with the request."""
         self.active += 1
+        router = request.reply_to
+        first = True
         try:
+            if router is not None:
+                self.channels.begin(router)
             async for chunk in self.engine.generate(request):
-                yield chunk
+                if first:
+                    first = False
+                    chunk.replica = self.replica_id
+                    yield chunk.to_wire()
+                elif router is not None:
+                    self.channels.push(router, request.request_id, chunk.to_wire())
+                else:
+                    yield chunk.to_wire()
         finally:
             self.active -= 1
+            if router is not None:
+                self.channels.end(router)
+
+    async def channel(self, router_id: str, target_replica: str) -> AsyncIterator[Batch]:
+        """The output channel of router replica ``router_id`` on this replica: batches of
+        ``(request_id, wire chunk)``. ``target_replica`` is this replica's id; the LLMServer's
+        request router (:mod:`serve_app.routing.pinned`) sends the call here by it."""
+        if target_replica != self.replica_id:  # the pin failed: never read another's outbox
+            raise RuntimeError(f"channel for replica {target_replica} reached "
+                               f"{self.replica_id}")
+        async for batch in self.channels.stream(router_id):
+            yield batch
 
     async def model_info(self) -> dict[str, Any]:
         """Facts the router needs about the served model."""

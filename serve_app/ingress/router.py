@@ -27,6 +27,7 @@ from serve_app.config import APP_NAME, AppConfig
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
 from serve_app.engine.timing import server_timing_header
 from serve_app.ingress.admission import AdmissionController, NoReplicaInTime, QueueFull, Slot
+from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
 from serve_app.ingress.engine_feed import EngineFeed
 from serve_app.ingress.errors import OpenAIError, install_error_handlers
 from serve_app.ingress.live_config import REFRESH_S, read_tenants, tenants_version
@@ -178,6 +179,11 @@ class OpenAIRouter:
             for m in self.config.models
         }
         router_id = _router_id()
+        self.router_id = router_id
+        # Streams' chunks after the first come batched per replica (serve_app/engine/channel.py).
+        self.channels = ({m.name: ModelChannels(m.name, servers[m.name], router_id)
+                          for m in self.config.models}
+                         if self.settings.output_channels else {})
         adm = self.settings.admission
         self.feeds = {
             m.name: EngineFeed(
@@ -266,7 +272,9 @@ class OpenAIRouter:
                        "in_flight_by_tenant": dict(a.tenant_in_flight),
                        "replicas": len(self.feeds[name].replicas),
                        "engine_waiting": sum(r.waiting for r in self.feeds[name].replicas),
-                       "engine_running": sum(r.running for r in self.feeds[name].replicas)}
+                       "engine_running": sum(r.running for r in self.feeds[name].replicas),
+                       "output_channels": (self.channels[name].open_channels()
+                                           if name in self.channels else 0)}
                 for name, a in self.admission.items()}
 
     # -- internals ------------------------------------------------------------------------------
@@ -374,7 +382,7 @@ class OpenAIRouter:
         if req.stream:
             gone.cancel()  # Starlette's response watches the client from here on
         try:
-            gen, first = start.result()
+            gen, first, ticket = start.result()
         except BaseException:
             gone.cancel()
             raise
@@ -392,10 +400,12 @@ class OpenAIRouter:
                 if not ended:
                     ended = True
                     gen.cancel()
+                    if ticket is not None:
+                        self.channels[req.model].release(ticket)
                     self._end(tenant, req.model, status, builder, slot)
 
             return GuardedStreamingResponse(
-                self._sse(gen, first, builder, req.include_usage, end),
+                self._sse(gen, first, ticket, builder, req.include_usage, end),
                 on_abandon=lambda: end(499),
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
@@ -420,8 +430,11 @@ class OpenAIRouter:
                                req: CompletionRequest | ChatCompletionRequest,
                                builder: ResponseBuilder, tenant: Tenant, slot: Slot,
                                arrived: float
-                               ) -> tuple[DeploymentResponseGenerator, GenerationChunk]:
-        """Wait for an admission slot, send the request to an engine, await its first chunk."""
+                               ) -> tuple[DeploymentResponseGenerator, GenerationChunk,
+                                          ChannelTicket | None]:
+        """Wait for an admission slot, send the request to an engine, await its first chunk.
+        A streamed request's later chunks come through the model's output channels (when
+        ``router.output_channels``): the ticket says where."""
         try:
             await slot.acquire(self.admission[req.model], tenant.name, tenant.priority)
         except QueueFull:
@@ -439,16 +452,25 @@ class OpenAIRouter:
         generation.cache_salt = tenant.cache_salt
         generation.priority = slot.priority
         generation.stream = req.stream
+        channels = self.channels.get(req.model) if req.stream else None
+        ticket = None
+        if channels is not None:
+            generation.reply_to = self.router_id
+            ticket = channels.register(builder.request_id)
         gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
             first = await self._first_chunk(gen)
+            if channels is not None and ticket is not None and not first.finished:
+                channels.attach(ticket, first.replica)
             if self.settings.server_timing:  # the router's phases beside the replica's
                 first.timing = {**(first.timing or {}),
                                 "queue": round((admitted - arrived) * 1000, 2),
                                 "dispatch": round((time.monotonic() - admitted) * 1000, 2)}
-            return gen, first
+            return gen, first, ticket
         except BaseException:
             gen.cancel()
+            if channels is not None and ticket is not None:
+                channels.release(ticket)
             raise
 
     @staticmethod
@@ -457,14 +479,14 @@ class OpenAIRouter:
         try:
             builder.add(first)
             if not first.finished:
-                async for chunk in gen:
-                    builder.add(chunk)
+                async for wire in gen:
+                    builder.add(GenerationChunk.from_wire(wire))
         finally:
             gen.cancel()  # no-op once the stream ended; aborts the engine work if cancelled
 
     async def _first_chunk(self, gen: DeploymentResponseGenerator) -> GenerationChunk:
         try:
-            return await gen.__anext__()
+            return GenerationChunk.from_wire(await gen.__anext__())
         except StopAsyncIteration:
             raise OpenAIError(503, "the engine ended the request without output") from None
         except asyncio.CancelledError:
@@ -479,7 +501,7 @@ class OpenAIRouter:
                               headers={"Retry-After": "1"}) from None
 
     async def _sse(self, gen: DeploymentResponseGenerator, first: GenerationChunk,
-                   builder: ResponseBuilder, include_usage: bool,
+                   ticket: ChannelTicket | None, builder: ResponseBuilder, include_usage: bool,
                    end: Callable[[int], None]) -> AsyncIterator[bytes]:
         """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
         The tenant is charged what was generated, however the stream ended."""
@@ -487,8 +509,12 @@ class OpenAIRouter:
         try:
             yield builder.events(first)
             if not first.finished:
-                async for chunk in gen:
-                    yield builder.events(chunk)
+                if ticket is not None:
+                    async for chunk in chunks_after_first(gen, ticket):
+                        yield builder.events(chunk)
+                else:
+                    async for wire in gen:
+                        yield builder.events(GenerationChunk.from_wire(wire))
             yield builder.final_events(include_usage)
             status = 200
         except Exception:

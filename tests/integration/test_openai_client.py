@@ -34,6 +34,19 @@ def test_text_completion_streamed(oai, stack):
     assert "".join(c.choices[0].text for c in chunks if c.choices)
 
 
+def test_streamed_chunks_after_the_first_come_through_an_output_channel(oai, stack):
+    """Streams use the batched output channels (serve_app/engine/channel.py), and their text
+    is the same as the whole request's: no chunk lost or reordered on the way."""
+    from tests.integration.conftest import admission_state
+
+    kwargs = dict(model=stack["model"], prompt="The quick brown fox", max_tokens=24,
+                  temperature=0.0, extra_body={"ignore_eos": True})
+    whole = oai.completions.create(**kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kwargs))
+    assert streamed == whole
+    assert admission_state(stack)["output_channels"] >= 1
+
+
 def test_chat_completion(oai, stack):
     r = oai.chat.completions.create(model=stack["model"], max_tokens=8,
                                     messages=[{"role": "user", "content": "Hi"}])
