@@ -6,6 +6,7 @@
 # usage: bench/gpu_compare.sh IN_LEN OUT_LEN NUM_REQUESTS [CONCURRENCY] [CONFIG] [EXTRA_BENCH_ARGS...]
 #   e.g. bench/gpu_compare.sh 1024 128 32,256,512 1,64,256
 set -uo pipefail
+. "$(dirname "$0")/arm_lib.sh"
 IN=$1; OUTLEN=$2; NUM=$3; CONC=${4:-1,64,256}; CONFIG=${5:-deployments/gpu-1.yaml}
 shift $(( $# < 5 ? $# : 5 ))
 EXTRA=("$@")
@@ -27,6 +28,7 @@ wait_ready() {  # url pid timeout
     sleep 2; t=$((t + 2))
     if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
   done
+  kill -0 "$2" 2>/dev/null || { echo "the arm's server exited; another answered"; return 1; }
   echo "ready after ${t}s"
 }
 
@@ -47,6 +49,7 @@ bench() {  # url arm
 BARE_CMD=$($PY -m serve_app.bench.arms "$CONFIG")
 echo "== bare vLLM: $BARE_CMD --port 8100"
 T0=$(date +%s)
+require_free_port 8100 || exit 1
 setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
 BARE=$!
 wait_ready http://127.0.0.1:8100 $BARE 420 && bench http://127.0.0.1:8100 bare
@@ -55,6 +58,7 @@ echo "bare arm took $(( $(date +%s) - T0 ))s"
 
 echo "== stack: serve-app run --config $CONFIG"
 T0=$(date +%s)
+require_free_port 8000 || exit 1
 setsid $PY -m serve_app.cli run --config "$CONFIG" --port 8000 > "$DIR/stack-server.log" 2>&1 &
 STACK=$!
 wait_ready http://127.0.0.1:8000 $STACK 420 && bench http://127.0.0.1:8000 stack

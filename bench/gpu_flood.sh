@@ -8,6 +8,7 @@
 #   after its flood (the stack's with the flood tenant's key): the throughput comparison of
 #   gpu_compare.sh without a second engine start per arm)
 set -uo pipefail
+. "$(dirname "$0")/arm_lib.sh"
 CONFIG=${1:-deployments/gpu-1.yaml}; DUR=${2:-60}
 PY=${PYTHON:-python3}
 DIR=${OUT:-bench/out}/flood
@@ -45,6 +46,7 @@ wait_ready() {  # url pid timeout key
     sleep 2; t=$((t + 2))
     if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
   done
+  kill -0 "$2" 2>/dev/null || { echo "the arm's server exited; another answered"; return 1; }
   echo "ready after ${t}s"
 }
 stop() {
@@ -72,14 +74,16 @@ for arm in ${ARMS:-bare stack}; do
   if [ "$arm" = bare ]; then
     BARE_CMD=$($PY -m serve_app.bench.arms "$CONFIG")
     echo "== bare: $BARE_CMD --port 8100"
-    setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
+    require_free_port 8100 || exit 1
+setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8100 $PID 420 none && \
       flood http://127.0.0.1:8100 bare "" "--metrics-url http://127.0.0.1:8100/metrics" && \
       arm_bench http://127.0.0.1:8100 bare
   else
     echo "== stack: serve-app run --config $DIR/stack-config.yaml"
-    setsid $PY -m serve_app.cli run --config "$DIR/stack-config.yaml" --port 8000 \
+    require_free_port 8000 || exit 1
+setsid $PY -m serve_app.cli run --config "$DIR/stack-config.yaml" --port 8000 \
       > "$DIR/stack-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \

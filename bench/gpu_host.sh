@@ -13,8 +13,13 @@ if [ "${1:-}" = unpack ]; then
   echo "bundle unpacked"
 fi
 ray stop --force > /dev/null 2>&1
+# A stack cut off by a time limit runs on in its own session: its driver, Ray's processes, the
+# engine core and HAProxy all go (`ray stop` alone left one answering on port 8000).
+pkill -9 -f "serve_app.cli (run|vllm)" 2>/dev/null
+pkill -9 -f "ray::|raylet|gcs_server|EngineCore|VLLM::" 2>/dev/null
 pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)
 [ -n "$pids" ] && kill -9 $pids 2>/dev/null
 pkill -9 -f haproxy 2>/dev/null
+command -v fuser > /dev/null && fuser -k -9 8000/tcp 8100/tcp 8404/tcp 9101/tcp > /dev/null 2>&1
 sleep 1
 if [ $# -gt 0 ]; then exec "$@"; fi

@@ -9,6 +9,7 @@
 # usage: bench/gpu_stream.sh IN_LEN OUT_LEN NUM_REQUESTS [CONCURRENCY] [CONFIG] [EXTRA_BENCH_ARGS...]
 #   env: ARMS="bare channels per-chunk", PROFILE_C=256, PROFILE_S=12 (0: no profile)
 set -uo pipefail
+. "$(dirname "$0")/arm_lib.sh"
 IN=$1; OUTLEN=$2; NUM=$3; CONC=${4:-1,64,256}; CONFIG=${5:-deployments/gpu-1.yaml}
 shift $(( $# < 5 ? $# : 5 ))
 EXTRA=("$@")
@@ -39,13 +40,14 @@ print(yaml.safe_dump(cfg, sort_keys=False))
 PY
 done
 
-wait_ready() {  # url pid timeout
+wait_ready() {  # url pid timeout: the arm's own server answers (and is still alive)
   local t=0
   until $PY -c "import sys, urllib.request as u; u.urlopen(sys.argv[1] + '/v1/models', timeout=3)" \
       "$1" 2>/dev/null; do
     sleep 2; t=$((t + 2))
     if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
   done
+  kill -0 "$2" 2>/dev/null || { echo "the arm's server exited; another answered"; return 1; }
   echo "ready after ${t}s"
 }
 stop() {  # pid: a clean shutdown first (serve-app stops Serve and HAProxy before Ray)
@@ -88,11 +90,13 @@ for arm in ${ARMS:-bare channels per-chunk}; do
   if [ "$arm" = bare ]; then
     BARE_CMD=$($PY -m serve_app.bench.arms "$CONFIG")
     echo "== bare vLLM: $BARE_CMD --port 8100"
+    require_free_port 8100 || exit 1
     setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8100 $PID 420 && bench http://127.0.0.1:8100 bare
   else
     echo "== stack ($arm): serve-app run --config $DIR/$arm.yaml"
+    require_free_port 8000 || exit 1
     setsid $PY -m serve_app.cli run --config "$DIR/$arm.yaml" --port 8000 \
       > "$DIR/$arm-server.log" 2>&1 &
     PID=$!

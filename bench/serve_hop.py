@@ -4,7 +4,9 @@ A producer deployment yields ITEMS chunks per stream (one engine step's worth ea
 it can; a consumer deployment reads STREAMS such streams at once through a handle, as the router
 does, with Ray Serve's throughput-optimized data plane (gRPC between deployments). Printed: items
 per second and microseconds per item, for a chunk sent as the GenerationChunk dataclass and in
-its wire form (``GenerationChunk.to_wire``). No engine, no HTTP: only the hop.
+its wire form (``GenerationChunk.to_wire``), and ``batched``: one stream whose every item holds
+one wire chunk for each of STREAMS requests (what an output channel sends per engine step).
+No engine, no HTTP: only the hop.
 
 usage: python bench/serve_hop.py [--streams 1,64,256] [--items 100] [--repeat 2]
 """
@@ -23,7 +25,7 @@ from ray import serve  # noqa: E402
 
 from serve_app.engine.protocol import ChoiceDelta, GenerationChunk  # noqa: E402
 
-FORMS = ("dataclass", "wire")
+FORMS = ("dataclass", "wire", "batched")
 
 
 def _chunk() -> GenerationChunk:
@@ -32,11 +34,14 @@ def _chunk() -> GenerationChunk:
 
 @serve.deployment(max_ongoing_requests=100_000)
 class Producer:
-    async def stream(self, items: int, form: str):
+    async def stream(self, items: int, form: str, per_item: int = 1):
         chunk = _chunk()
         for _ in range(items):
             await asyncio.sleep(0)  # one engine step's wake-up per item, as in the replica
-            yield chunk if form == "dataclass" else chunk.to_wire()
+            if form == "batched":
+                yield [(f"req-{i}", chunk.to_wire()) for i in range(per_item)]
+            else:
+                yield chunk if form == "dataclass" else chunk.to_wire()
 
 
 @serve.deployment(max_ongoing_requests=100_000)
@@ -53,8 +58,19 @@ class Consumer:
                 n += 1
             return n
 
+        async def batched() -> int:
+            n = 0
+            async for batch in self.producer.stream.remote(items, form, streams):
+                for _, wire in batch:
+                    GenerationChunk.from_wire(wire)
+                    n += 1
+            return n
+
         started = time.perf_counter()
-        total = sum(await asyncio.gather(*[one() for _ in range(streams)]))
+        if form == "batched":
+            total = await batched()
+        else:
+            total = sum(await asyncio.gather(*[one() for _ in range(streams)]))
         return total, time.perf_counter() - started
 
 

@@ -26,22 +26,28 @@ Contract (the replica side; :mod:`serve_app.ingress.channels` is the router side
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator
 
 # A channel with nothing to carry and no request of its router in flight ends after this long.
 CHANNEL_IDLE_S = 5.0
+# Chunks of finished requests wait this long for their router to open a channel; a router that
+# went away never will.
+UNCLAIMED_TTL_S = 60.0
 
 Batch = list[tuple[str, Any]]  # (request id, wire chunk) in the order they were pushed
 
 
 class _Outbox:
-    __slots__ = ("items", "ready", "active", "generation")
+    __slots__ = ("items", "ready", "active", "generation", "readers", "touched")
 
     def __init__(self) -> None:
         self.items: Batch = []
         self.ready = asyncio.Event()
         self.active = 0  # this router's requests whose chunks come through here
         self.generation = 0  # which open channel of this router is the current one
+        self.readers = 0  # channels of this router open here (the current one and older ones)
+        self.touched = time.monotonic()
 
 
 class OutputChannels:
@@ -60,6 +66,14 @@ class OutputChannels:
     def begin(self, router: str) -> None:
         """A request of ``router`` will push chunks (keeps the router's channel open)."""
         self._box(router).active += 1
+        if len(self._boxes) > 1:
+            self._drop_unclaimed()
+
+    def _drop_unclaimed(self) -> None:
+        now = time.monotonic()
+        for name, box in list(self._boxes.items()):
+            if box.readers == 0 and box.active <= 0 and now - box.touched > UNCLAIMED_TTL_S:
+                del self._boxes[name]
 
     def end(self, router: str) -> None:
         """That request is done with the engine (finished, failed or cancelled)."""
@@ -68,11 +82,14 @@ class OutputChannels:
             box.active -= 1
             if box.active <= 0:
                 box.ready.set()  # lets an idle channel start its idle timer
+                if box.readers == 0 and not box.items:
+                    del self._boxes[router]
 
     def push(self, router: str, request_id: str, wire: Any) -> None:
         """Queue one chunk of ``request_id`` for ``router`` (no await: called per chunk)."""
         box = self._box(router)
         box.items.append((request_id, wire))
+        box.touched = time.monotonic()
         box.ready.set()
 
     def pending(self, router: str) -> int:
@@ -85,6 +102,7 @@ class OutputChannels:
         newer channel of the same router or idle (see the module docstring)."""
         box = self._box(router)
         box.generation += 1
+        box.readers += 1
         mine = box.generation
         box.ready.set()  # hand over what waited for a channel, and stop an older channel
         try:
@@ -106,5 +124,6 @@ class OutputChannels:
                     if not box.items and box.active <= 0 and box.generation == mine:
                         return
         finally:
-            if box.generation == mine and box.active <= 0 and not box.items:
+            box.readers -= 1
+            if box.readers == 0 and box.active <= 0 and self._boxes.get(router) is box:
                 self._boxes.pop(router, None)  # a router that went away leaves nothing here

@@ -151,3 +151,30 @@ def test_a_channel_that_never_brings_the_end_is_an_error_not_a_hang():
         with pytest.raises(ConnectionError):
             await asyncio.wait_for(reader.__anext__(), 2)
     asyncio.run(run())
+
+
+def test_chunks_of_a_finished_request_wait_for_the_channel_opened_after_it_ended():
+    """A short request can finish before its router's first channel to this replica opens:
+    its last chunks must still be delivered (the router would wait for them, then fail)."""
+    async def run():
+        ch = OutputChannels()
+        ch.begin("r1")
+        ch.push("r1", "a", 1)
+        ch.end("r1")
+        stream = ch.stream("r1")
+        assert await _take(stream, 2) == [[], [("a", 1)]]
+        await stream.aclose()
+    asyncio.run(run())
+
+
+def test_a_router_that_never_opens_a_channel_leaves_nothing_behind_after_the_ttl(monkeypatch):
+    from serve_app.engine import channel
+
+    ch = OutputChannels()
+    ch.begin("gone")
+    ch.push("gone", "a", 1)
+    ch.end("gone")
+    assert ch.pending("gone") == 1  # still claimable
+    monkeypatch.setattr(channel, "UNCLAIMED_TTL_S", 0.0)
+    ch.begin("other")
+    assert ch.pending("gone") == 0 and list(ch._boxes) == ["other"]
