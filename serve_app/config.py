@@ -264,6 +264,12 @@ class RouterSettings(_Strict):
         "its first token, in ms (see serve_app/engine/timing.py). Off by default: the engine "
         "queue times it shows reflect other tenants' load.",
     )
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        "EveryNode", description="Where Serve runs its HTTP ingress (HAProxy): on every node "
+        "(clients or a load balancer may reach any node) or on the head node only (one "
+        "address; also the choice when several Ray nodes share one machine, whose ingresses "
+        "would all bind `port`). Set when Serve first starts on a cluster.",
+    )
     output_channels: bool = Field(
         True, description="Streamed chunks after a request's first travel from each engine "
         "replica to each router replica batched: one message per engine step instead of one "

@@ -125,11 +125,18 @@ def start_stack(config: AppConfig, address: str | None = None,
     # The dashboard executes code for whoever reaches it: keep it on localhost.
     ray_init.setdefault("dashboard_host", "127.0.0.1")
     ray.init(address=address, **ray_init)
-    serve.start(http_options={"host": config.router.host, "port": config.router.port})
+    serve.start(**serve_start_options(config))
     _record(config)
     app = build_app(config) if engine_class is None else build_app(config, engine_class)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     return base_url(config)
+
+
+def serve_start_options(config: AppConfig) -> dict[str, Any]:
+    """``serve.start`` arguments for ``config``: where the HTTP ingress listens and on which
+    nodes it runs (fixed for as long as Serve runs on the cluster)."""
+    return {"proxy_location": config.router.proxy_location,
+            "http_options": {"host": config.router.host, "port": config.router.port}}
 
 
 def base_url(config: AppConfig) -> str:
@@ -189,7 +196,7 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
     if running is None:
         # First deploy onto this cluster: Serve's ingress must listen where the config says
         # (serve.run alone would start it on 127.0.0.1, out of reach of the cluster's clients).
-        serve.start(http_options={"host": config.router.host, "port": config.router.port})
+        serve.start(**serve_start_options(config))
     version = _record(config)
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     return DeployResult("redeployed", version)
@@ -230,5 +237,5 @@ def stop_stack() -> None:
         reap_leftovers()
 
 
-__all__ = ["DeployResult", "Leftover", "base_url", "deploy", "find_leftovers", "reap_leftovers",
+__all__ = ["DeployResult", "Leftover", "base_url", "deploy", "serve_start_options", "find_leftovers", "reap_leftovers",
            "start_stack", "status", "stop_stack"]

@@ -112,10 +112,32 @@ class ModelChannels:
             self._readers.pop(replica, None)
 
 
-async def _own_stream_end(gen: DeploymentResponseGenerator) -> None:
-    """Return when the request's own stream ends; raise what it raises."""
-    async for _ in gen:
-        pass
+# Watchers of own streams that are about to end on their own (asyncio keeps only weak
+# references to tasks).
+_finishing: set[asyncio.Future[None]] = set()
+
+
+class _OwnStreamEnded:
+    """Put in a request's inbox when its own Serve stream ends: ``error`` is what it raised."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+async def _watch_own_stream(gen: DeploymentResponseGenerator, inbox: asyncio.Queue[Any]
+                            ) -> None:
+    """Tell the request's reader, through its inbox, when its own stream ends and how."""
+    try:
+        async for _ in gen:
+            pass
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:
+        inbox.put_nowait(_OwnStreamEnded(err))
+        return
+    inbox.put_nowait(_OwnStreamEnded(None))
 
 
 async def chunks_after_first(gen: DeploymentResponseGenerator, ticket: ChannelTicket,
@@ -124,31 +146,36 @@ async def chunks_after_first(gen: DeploymentResponseGenerator, ticket: ChannelTi
 
     The request's own stream carries no chunks now but still ends the request: when it fails
     (the engine or its replica died) this raises its error; when it ends well, the last chunks
-    must follow on the channel within ``tail_s``."""
-    own_end = asyncio.ensure_future(_own_stream_end(gen))
+    must follow on the channel within ``tail_s``. One queue read per chunk: the own stream's end
+    arrives in the same inbox, so nothing else is awaited per chunk."""
     inbox = ticket.inbox
+    watcher: asyncio.Future[None] | None = asyncio.ensure_future(_watch_own_stream(gen, inbox))
+    own_ended = False
     try:
         while True:
-            if not inbox.empty():
-                wire = inbox.get_nowait()
-            elif own_end.done():
-                own_end.result()  # re-raises the failure of the request's own stream
+            if not own_ended:
+                item = await inbox.get()
+            else:
                 try:
-                    wire = await asyncio.wait_for(inbox.get(), tail_s)
+                    item = await asyncio.wait_for(inbox.get(), tail_s)
                 except asyncio.TimeoutError:
                     raise ConnectionError("the output channel lost the end of the stream") \
                         from None
-            else:
-                get = asyncio.ensure_future(inbox.get())
-                await asyncio.wait({get, own_end}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    continue
-                wire = get.result()
-            chunk = GenerationChunk.from_wire(wire)
-            yield chunk
+            if isinstance(item, _OwnStreamEnded):
+                if item.error is not None:
+                    raise item.error
+                own_ended = True
+                continue
+            chunk = GenerationChunk.from_wire(item)
             if chunk.finished:
+                # The own stream ends by itself right after this: let it (a cancel now would
+                # reach the replica as an abort of a request that completed).
+                _finishing.add(watcher)
+                watcher.add_done_callback(_finishing.discard)
+                watcher = None
+                yield chunk
                 return
+            yield chunk
     finally:
-        if not own_end.done():
-            own_end.cancel()
+        if watcher is not None and not watcher.done():
+            watcher.cancel()  # the client left or the stream failed: stop watching

@@ -399,7 +399,10 @@ class OpenAIRouter:
                 nonlocal ended
                 if not ended:
                     ended = True
-                    gen.cancel()
+                    # A completed stream's own Serve stream ends by itself (with channels it
+                    # may still be closing): cancelling it would abort a finished request.
+                    if status != 200 or ticket is None:
+                        gen.cancel()
                     if ticket is not None:
                         self.channels[req.model].release(ticket)
                     self._end(tenant, req.model, status, builder, slot)

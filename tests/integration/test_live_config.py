@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from .conftest import wait_until
+from .load import streams, whole_requests
 
 pytestmark = pytest.mark.integration
 
@@ -28,38 +29,6 @@ def _replica_actors(deployment: str = "") -> set[str]:
             if a.class_name.startswith(f"ServeReplica:llm:{deployment}")}
 
 
-def _whole_requests(stack: dict, results: list, stop: threading.Event) -> None:
-    """team-b sends one non-streamed request after another until stopped; each result is
-    (status, finished with its full length)."""
-    with httpx.Client(base_url=stack["base"], timeout=60,
-                      headers={"Authorization": f"Bearer {stack['keys']['team-b']}"}) as c:
-        while not stop.is_set():
-            try:
-                r = c.post("/v1/completions", json={"model": stack["model"], "prompt": "whole",
-                                                    "max_tokens": 12, "ignore_eos": True})
-            except httpx.HTTPError as err:  # a reset connection is a failure too
-                results.append((type(err).__name__, False))
-                continue
-            ok = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-            results.append((r.status_code, ok))
-
-
-def _streams(stack: dict, results: list, stop: threading.Event) -> None:
-    """team-a keeps one stream open after another until stopped; each result is (status,
-    saw [DONE]), or (error name, False) for a connection that broke."""
-    with httpx.Client(base_url=stack["base"], timeout=60, headers=stack["headers"]) as c:
-        while not stop.is_set():
-            lines: list[str] = []
-            try:
-                with c.stream("POST", "/v1/completions", json={
-                        "model": stack["model"], "prompt": "live", "max_tokens": 24,
-                        "ignore_eos": True, "stream": True}) as r:
-                    lines.extend(r.iter_lines())
-                    results.append((r.status_code, "data: [DONE]" in lines))
-            except httpx.HTTPError as err:  # a cut connection is a failure too
-                results.append((f"{type(err).__name__} after {len(lines)} lines: {err}", False))
-
-
 def test_removed_tenant_is_refused_within_seconds_without_restarts(stack):
     from serve_app.launch import deploy, status
 
@@ -70,7 +39,9 @@ def test_removed_tenant_is_refused_within_seconds_without_restarts(stack):
     before = _replica_actors()
     results: list = []
     stop = threading.Event()
-    streamer = threading.Thread(target=_streams, args=(stack, results, stop), daemon=True)
+    streamer = threading.Thread(target=streams, args=(stack["base"], stack["model"],
+                                                       stack["headers"], results, stop),
+                                daemon=True)
     streamer.start()
     try:
         without_c = cfg.model_copy(update={"tenants": [t for t in cfg.tenants
@@ -107,9 +78,13 @@ def test_engine_argument_change_rolls_replicas_without_a_failed_request_or_cut_s
     streamed: list = []
     whole: list = []
     stop = threading.Event()
-    load = [threading.Thread(target=_streams, args=(stack, streamed, stop), daemon=True)
+    team_b = {"Authorization": f"Bearer {stack['keys']['team-b']}"}
+    load = [threading.Thread(target=streams, daemon=True,
+                             args=(stack["base"], stack["model"], stack["headers"], streamed,
+                                   stop))
             for _ in range(2)]
-    load.append(threading.Thread(target=_whole_requests, args=(stack, whole, stop), daemon=True))
+    load.append(threading.Thread(target=whole_requests, daemon=True,
+                                 args=(stack["base"], stack["model"], team_b, whole, stop)))
     for t in load:
         t.start()
     try:

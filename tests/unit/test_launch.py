@@ -68,7 +68,8 @@ def test_first_deploy_to_a_cluster_listens_where_the_config_says(monkeypatch):
     published: dict = {}
     monkeypatch.setattr(live_config, "read_config", lambda app: published.get(app))
     assert launch.deploy(cfg).mode == "redeployed"
-    assert calls == [("start", {"http_options": {"host": "0.0.0.0", "port": 8011}}),
+    assert calls == [("start", {"proxy_location": "EveryNode",
+                                "http_options": {"host": "0.0.0.0", "port": 8011}}),
                      ("run", "llm")]
     # A redeploy onto the running app leaves Serve's ingress as it is.
     calls.clear()

@@ -178,3 +178,32 @@ def test_a_router_that_never_opens_a_channel_leaves_nothing_behind_after_the_ttl
     monkeypatch.setattr(channel, "UNCLAIMED_TTL_S", 0.0)
     ch.begin("other")
     assert ch.pending("gone") == 0 and list(ch._boxes) == ["other"]
+
+
+def test_the_own_stream_of_a_completed_request_is_left_to_end_not_cancelled():
+    """Cancelling it reaches the replica as an abort of a request that already completed."""
+    async def run():
+        own, ticket = _OwnStream(), ChannelTicket("a")
+        cancelled = []
+
+        class Watched(_OwnStream):
+            async def __anext__(self):
+                try:
+                    return await super().__anext__()
+                except asyncio.CancelledError:
+                    cancelled.append(True)
+                    raise
+
+        own = Watched()
+        reader = chunks_after_first(own, ticket)
+        nxt = asyncio.ensure_future(reader.__anext__())
+        await asyncio.sleep(0.01)  # the own stream is being watched
+        ticket.inbox.put_nowait(_wire("end", finished=True))
+        assert (await nxt).finished
+        with pytest.raises(StopAsyncIteration):
+            await reader.__anext__()
+        await asyncio.sleep(0.01)
+        own.outcome.set_result(None)  # the replica's side ends the stream
+        await asyncio.sleep(0.01)
+        assert not cancelled
+    asyncio.run(run())

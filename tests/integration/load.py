@@ -1,0 +1,56 @@
+"""Steady client load for the rollout tests: threads that send one request after another until
+stopped and record how each ended."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+
+
+def streams(base: str, model: str, headers: dict, results: list, stop: threading.Event) -> None:
+    """Keep one stream open after another until stopped; each result is (status, saw [DONE]),
+    or (error and lines received, False) for a connection that broke."""
+    with httpx.Client(base_url=base, timeout=60, headers=headers) as c:
+        while not stop.is_set():
+            lines: list[str] = []
+            try:
+                with c.stream("POST", "/v1/completions", json={
+                        "model": model, "prompt": "live", "max_tokens": 24,
+                        "ignore_eos": True, "stream": True}) as r:
+                    lines.extend(r.iter_lines())
+                    results.append((r.status_code, "data: [DONE]" in lines))
+            except httpx.HTTPError as err:  # a cut connection is a failure too
+                results.append((f"{type(err).__name__} after {len(lines)} lines: {err}", False))
+
+
+def whole_requests(base: str, model: str, headers: dict, results: list,
+                   stop: threading.Event) -> None:
+    """Send one non-streamed request after another until stopped; each result is (status,
+    finished with its full length)."""
+    with httpx.Client(base_url=base, timeout=60, headers=headers) as c:
+        while not stop.is_set():
+            try:
+                r = c.post("/v1/completions", json={"model": model, "prompt": "whole",
+                                                    "max_tokens": 12, "ignore_eos": True})
+            except httpx.HTTPError as err:  # a reset connection is a failure too
+                results.append((type(err).__name__, False))
+                continue
+            ok = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+            results.append((r.status_code, ok))
+
+
+def start(*targets: tuple) -> tuple[threading.Event, list[threading.Thread]]:
+    """Start one daemon thread per (function, args...) with a shared stop event last."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=fn, args=(*args, stop), daemon=True)
+               for fn, *args in targets]
+    for t in threads:
+        t.start()
+    return stop, threads
+
+
+def finish(stop: threading.Event, threads: list[threading.Thread]) -> None:
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)

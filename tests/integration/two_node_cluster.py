@@ -1,0 +1,68 @@
+"""A Ray cluster of two nodes on this machine (one CPU each), for the two-node rollout test.
+
+Run as a process of its own, apart from the suite's stack and its Ray:
+
+    python -m tests.integration.two_node_cluster serve     # starts it; prints {"address": ...}
+                                                           # on one line; stops on stdin EOF
+    python -m tests.integration.two_node_cluster actors ADDRESS   # alive Serve replicas (JSON)
+
+The nodes are started with ``ray.cluster_utils.Cluster``: the same raylet and GCS processes
+``ray start --head`` and ``ray start --address`` start, one raylet per node, but ones this
+process can stop alone (``ray stop`` would also stop the suite's Ray on this machine). Every
+node gets the environment of the app's data plane, as `cluster.yaml` gives it to ``ray start``,
+with HAProxy's side ports moved off the ones the suite's stack holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_cluster() -> None:
+    from serve_app.app import HIGH_THROUGHPUT_ENV
+    from serve_app.ingress import haproxy
+
+    os.environ.update(HIGH_THROUGHPUT_ENV)
+    os.environ[haproxy.BINARY_ENV] = str(haproxy.write_wrapper())
+    os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
+    os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "resources": {"head": 1}})
+    cluster.add_node(num_cpus=1, resources={"worker": 1})
+    cluster.wait_for_nodes()
+    print(json.dumps({"address": cluster.address}), flush=True)
+    try:
+        sys.stdin.read()  # until the test closes our stdin
+    finally:
+        cluster.shutdown()
+
+
+def actors(address: str) -> None:
+    """Alive Serve replica actors: class name, actor id, node id, pid."""
+    import ray
+    from ray.util.state import list_actors
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    print(json.dumps([
+        {"class": a.class_name, "id": a.actor_id, "node": a.node_id, "pid": a.pid}
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        if a.class_name.startswith("ServeReplica:")]))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve_cluster()
+    else:
+        actors(sys.argv[2])
