@@ -125,8 +125,15 @@ def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CL
     versions = {llm_server_name(m.name): deployment_version(m.model_dump(mode="json"),
                                                             engine_class)
                 for m in config.models}
+    # Tenants are live (serve_app/ingress/live_config.py): every router replica adopts the
+    # published list within a second, so they are no part of the router's version. With them
+    # in it, the first redeploy after a live tenant change (an engine argument, say) rolled the
+    # routers too, and HAProxy's reload cut keep-alive connections (found by the two-node
+    # rollout test).
+    router_args = router_view(config).model_dump(mode="json")
+    router_args.pop("tenants")
     versions[ROUTER_DEPLOYMENT] = deployment_version(
-        router_view(config).model_dump(mode="json"), sorted(m.name for m in config.models))
+        router_args, sorted(m.name for m in config.models))
     return versions
 
 

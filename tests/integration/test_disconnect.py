@@ -79,7 +79,7 @@ def test_queued_clients_that_leave_free_their_places_at_once(stack):
     them and the one that had got in (a tenant's first request) no longer holds a slot."""
     from .conftest import IN_FLIGHT, admission_state, wait_until
 
-    async def main() -> float:
+    async def main() -> tuple[float, dict, list]:
         headers_a = {"Authorization": f"Bearer {stack['keys']['team-a']}"}
         headers_c = {"Authorization": f"Bearer {stack['keys']['team-c']}"}
         body = {"model": stack["model"], "prompt": "x", "max_tokens": 600, "ignore_eos": True}
@@ -108,16 +108,24 @@ def test_queued_clients_that_leave_free_their_places_at_once(stack):
             # Their queue places and the engine place the first of them got (a tenant's first
             # request goes in at capacity) are free; counted per tenant, since the flood's own
             # requests may move from the queue into the engines meanwhile.
-            await asyncio.to_thread(
-                wait_until, lambda: (s := admission_state(stack))["queued"] <= base["queued"]
-                and not s["in_flight_by_tenant"].get("team-c"), 10, 0.02)
+            trace: list = []
+
+            def freed() -> bool:
+                s = admission_state(stack)
+                trace.append((round(time.monotonic() - t0, 2), s["queued"],
+                              s["in_flight_by_tenant"], s["engine_running"], s["engine_waiting"]))
+                return s["queued"] <= base["queued"] and not s["in_flight_by_tenant"].get("team-c")
+
+            await asyncio.to_thread(wait_until, freed, 10, 0.02)
             elapsed = time.monotonic() - t0
             for task in flood:
                 task.cancel()
             await asyncio.gather(*flood, return_exceptions=True)
-        return elapsed
+        return elapsed, base, trace
 
-    elapsed = asyncio.run(main())
-    assert elapsed < 2.0, f"queued clients' places were freed after {elapsed:.2f} s"
+    elapsed, base, trace = asyncio.run(main())
+    # (seconds, queued, in flight by tenant, engine running, engine waiting) every ~0.1 s
+    assert elapsed < 2.0, (f"queued clients' places were freed after {elapsed:.2f} s; "
+                           f"before: {base}; after the clients left: {trace[::5]}")
     load = _wait_idle(stack, 10)
     assert load["unfinished"] == 0 and load["running"] == 0, load

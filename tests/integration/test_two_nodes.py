@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_path, tmp_path_factory):
-    """The two-node cluster's address; the cluster stops when the module's tests are done."""
+    """The two-node cluster (its address and dashboard); it stops after the module's tests."""
     log = tmp_path_factory.mktemp("two-nodes") / "cluster.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "tests.integration.two_node_cluster",
@@ -50,7 +50,7 @@ def cluster(tiny_model_path, tmp_path_factory):
         proc.kill()
         pytest.fail(f"the two-node cluster did not start:\n{log.read_text()[-3000:]}")
     try:
-        yield json.loads(line)["address"]
+        yield json.loads(line)
     finally:
         assert proc.stdin is not None
         proc.stdin.close()
@@ -67,10 +67,11 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return done
 
 
-def _replicas(address: str, deployment: str) -> list[dict]:
+def _replicas(cluster: dict, deployment: str) -> list[dict]:
     """Alive replica actors of one deployment of the app: id, node, pid."""
     out = subprocess.run([sys.executable, "-m", "tests.integration.two_node_cluster", "actors",
-                          address], cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cluster["dashboard"]], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     return [a for a in json.loads(out.stdout.strip().splitlines()[-1])
             if a["class"].startswith(f"ServeReplica:llm:{deployment}")]
@@ -102,7 +103,7 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     auth = {name: {"Authorization": f"Bearer {key}"} for name, key in keys.items()}
 
     _cli("deploy", "--config", str(_config(tmp_path / "v1.yaml", tiny_model_path, port, keys, 0)),
-         "--address", cluster)
+         "--address", cluster["address"])
 
     def serves(headers: dict) -> int:
         try:
@@ -128,9 +129,10 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     try:
         wait_until(lambda: results, 60, 0.2)
         t0 = time.monotonic()
-        _cli("deploy", "--config",
-             str(_config(tmp_path / "v2.yaml", tiny_model_path, port,
-                         {"team-a": keys["team-a"]}, 0)), "--address", cluster)
+        out = _cli("deploy", "--config",
+                   str(_config(tmp_path / "v2.yaml", tiny_model_path, port,
+                               {"team-a": keys["team-a"]}, 0)), "--address", cluster["address"])
+        assert "nothing restarted" in out.stdout, out.stdout  # applied live
         wait_until(lambda: serves(auth["team-x"]) == 401, max(0.1, 10 - (time.monotonic() - t0)),
                    0.1)
         revoked_after = time.monotonic() - t0
@@ -151,9 +153,10 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     try:
         wait_until(lambda: len(streamed) >= 2 and whole, 60, 0.2)
         t1 = time.monotonic()
-        _cli("deploy", "--config",
-             str(_config(tmp_path / "v3.yaml", tiny_model_path, port,
-                         {"team-a": keys["team-a"]}, 1)), "--address", cluster)
+        out = _cli("deploy", "--config",
+                   str(_config(tmp_path / "v3.yaml", tiny_model_path, port,
+                               {"team-a": keys["team-a"]}, 1)), "--address", cluster["address"])
+        assert "redeploying" in out.stdout, out.stdout
         old = {e["id"] for e in engines}
 
         def rolled() -> bool:
@@ -161,7 +164,7 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
             return len(now) == 2 and not ({e["id"] for e in now} & old)
 
         wait_until(rolled, 900, 2)
-        wait_until(lambda: json.loads(_cli("status", "--address", cluster).stdout)["status"]
+        wait_until(lambda: json.loads(_cli("status", "--address", cluster["address"]).stdout)["status"]
                    == "RUNNING", 300, 2)
         rolled_after = time.monotonic() - t1
         during = len(streamed) + len(whole)

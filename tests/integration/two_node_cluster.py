@@ -2,9 +2,10 @@
 
 Run as a process of its own, apart from the suite's stack and its Ray:
 
-    python -m tests.integration.two_node_cluster serve     # starts it; prints {"address": ...}
-                                                           # on one line; stops on stdin EOF
-    python -m tests.integration.two_node_cluster actors ADDRESS   # alive Serve replicas (JSON)
+    python -m tests.integration.two_node_cluster serve     # starts it; prints {"address": ...,
+                                                           # "dashboard": ...} on one line;
+                                                           # stops on stdin EOF
+    python -m tests.integration.two_node_cluster actors DASHBOARD # alive Serve replicas (JSON)
 
 The nodes are started with ``ray.cluster_utils.Cluster``: the same raylet and GCS processes
 ``ray start --head`` and ``ray start --address`` start, one raylet per node, but ones this
@@ -38,26 +39,27 @@ def serve_cluster() -> None:
 
     from ray.cluster_utils import Cluster
 
+    dashboard_port = _free_port()  # the state API (actor table) is served by the dashboard
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "resources": {"head": 1}})
+        "num_cpus": 1, "resources": {"head": 1}, "include_dashboard": True,
+        "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port})
     cluster.add_node(num_cpus=1, resources={"worker": 1})
     cluster.wait_for_nodes()
-    print(json.dumps({"address": cluster.address}), flush=True)
+    print(json.dumps({"address": cluster.address,
+                      "dashboard": f"http://127.0.0.1:{dashboard_port}"}), flush=True)
     try:
         sys.stdin.read()  # until the test closes our stdin
     finally:
         cluster.shutdown()
 
 
-def actors(address: str) -> None:
-    """Alive Serve replica actors: class name, actor id, node id, pid."""
-    import ray
+def actors(dashboard: str) -> None:
+    """Alive Serve replica actors from the cluster's actor table: class, actor id, node, pid."""
     from ray.util.state import list_actors
 
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     print(json.dumps([
         {"class": a.class_name, "id": a.actor_id, "node": a.node_id, "pid": a.pid}
-        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        for a in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], limit=1000)
         if a.class_name.startswith("ServeReplica:")]))
 
 

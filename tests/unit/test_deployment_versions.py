@@ -54,3 +54,14 @@ def test_another_engine_class_is_another_engine_version():
     engine = llm_server_name(cfg.models[0].name)
     assert (deployment_versions(cfg, "serve_app.engine.scripted:ScriptedEngine")[engine]
             != deployment_versions(cfg)[engine])
+
+
+def test_tenants_are_not_part_of_any_version_regression_router_rolled_after_a_live_change():
+    """Tenants change live; an engine-argument deploy after a live tenant change rolled the
+    routers (their bound tenants differed) and HAProxy's reload cut keep-alive connections."""
+    from serve_app.config import TenantSettings
+
+    cfg = _config()
+    tenant = TenantSettings(name="t", api_key_sha256=["0" * 64])
+    with_tenant = cfg.model_copy(update={"tenants": [tenant]})
+    assert deployment_versions(with_tenant) == deployment_versions(cfg)
