@@ -21,23 +21,7 @@ MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG'
 # The config's model folder; written as a config-only shape (SHAPE) when missing.
 [ -e "$MPATH" ] || $PY -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
 
-wait_ready() {  # url pid timeout
-  local t=0
-  until $PY -c "import sys, urllib.request as u; u.urlopen(sys.argv[1] + '/v1/models', timeout=3)" \
-      "$1" 2>/dev/null; do
-    sleep 2; t=$((t + 2))
-    if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
-  done
-  kill -0 "$2" 2>/dev/null || { echo "the arm's server exited; another answered"; return 1; }
-  echo "ready after ${t}s"
-}
 
-stop() {  # pid: ask the server to shut down cleanly (serve-app stops Serve and HAProxy before
-  # Ray), then remove whatever is left of its process group
-  kill -TERM "$1" 2>/dev/null
-  for _ in $(seq 90); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
-  kill -KILL -- -"$1" 2>/dev/null; sleep 2
-}
 
 bench() {  # url arm
   $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" --input-len "$IN" \

@@ -39,21 +39,6 @@ cfg["tenants"] = [{"name": "flood", "api_key_sha256": [key_digest(flood)]},
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
 
-wait_ready() {  # url pid timeout key
-  local t=0
-  until $PY -c "import sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1] + '/v1/models', headers={'Authorization': 'Bearer ' + sys.argv[2]}), timeout=3)" \
-      "$1" "$4" 2>/dev/null; do
-    sleep 2; t=$((t + 2))
-    if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
-  done
-  kill -0 "$2" 2>/dev/null || { echo "the arm's server exited; another answered"; return 1; }
-  echo "ready after ${t}s"
-}
-stop() {
-  kill -TERM "$1" 2>/dev/null
-  for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
-  kill -KILL -- -"$1" 2>/dev/null; sleep 2
-}
 ray_metrics_urls() {  # the metrics agents Ray lists for Prometheus
   $PY -c "import json; print(' '.join('--metrics-url http://%s/metrics' % t for g in json.load(open('/tmp/ray/prom_metrics_service_discovery.json')) for t in g['targets']))" 2>/dev/null
 }

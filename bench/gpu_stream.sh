@@ -40,21 +40,6 @@ print(yaml.safe_dump(cfg, sort_keys=False))
 PY
 done
 
-wait_ready() {  # url pid timeout: the arm's own server answers (and is still alive)
-  local t=0
-  until $PY -c "import sys, urllib.request as u; u.urlopen(sys.argv[1] + '/v1/models', timeout=3)" \
-      "$1" 2>/dev/null; do
-    sleep 2; t=$((t + 2))
-    if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
-  done
-  kill -0 "$2" 2>/dev/null || { echo "the arm's server exited; another answered"; return 1; }
-  echo "ready after ${t}s"
-}
-stop() {  # pid: a clean shutdown first (serve-app stops Serve and HAProxy before Ray)
-  kill -TERM "$1" 2>/dev/null
-  for _ in $(seq 90); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
-  kill -KILL -- -"$1" 2>/dev/null; sleep 2
-}
 bench() {  # url arm
   $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" --input-len "$IN" \
     --output-len "$OUTLEN" --num-requests "$NUM" --concurrency "$CONC" \
