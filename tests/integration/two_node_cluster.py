@@ -11,7 +11,8 @@ The nodes are started with ``ray.cluster_utils.Cluster``: the same raylet and GC
 ``ray start --head`` and ``ray start --address`` start, one raylet per node, but ones this
 process can stop alone (``ray stop`` would also stop the suite's Ray on this machine). Every
 node gets the environment of the app's data plane, as `cluster.yaml` gives it to ``ray start``,
-with HAProxy's side ports moved off the ones the suite's stack holds.
+with the ports Serve fixes by default (HAProxy's stats and metrics, the fallback proxy's) moved
+off the ones the suite's stack holds.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def serve_cluster() -> None:
 
     os.environ.update(HIGH_THROUGHPUT_ENV)
     os.environ[haproxy.BINARY_ENV] = str(haproxy.write_wrapper())
-    os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
-    os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
+    # Ports Serve fixes by default, which the suite's stack on this machine holds already.
+    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
+        os.environ[name] = str(_free_port())
 
     from ray.cluster_utils import Cluster
 
