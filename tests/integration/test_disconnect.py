@@ -86,9 +86,12 @@ def test_queued_clients_that_leave_free_their_places_at_once(stack):
         async with httpx.AsyncClient(base_url=stack["base"], timeout=600) as client:
             flood = [asyncio.create_task(client.post("/v1/completions", json={
                 **body, "stream": True}, headers=headers_a)) for _ in range(IN_FLIGHT + 5)]
-            base = await asyncio.to_thread(  # the engine is full and the rest waits
+            # The engine is full and the rest of the flood waits, every flood request counted
+            # (a base taken before the last one arrived made its arrival look like a leaving
+            # client still queued: regression of a failure at 3.1 s, trace in the message).
+            base = await asyncio.to_thread(
                 wait_until, lambda: (s := admission_state(stack))["in_flight"] >= IN_FLIGHT
-                and s["queued"] >= 3 and s, 60)
+                and s["in_flight"] + s["queued"] >= len(flood) and s, 60)
             # Streamed requests whose response has not started: only the router's own watch of
             # the connection can notice them leave (this failed before the HAProxy fix).
             leaving = [asyncio.create_task(client.post("/v1/completions", json={

@@ -25,3 +25,17 @@ def test_wrapper_is_rewritten_only_when_it_changes(tmp_path):
     again = haproxy.write_wrapper(tmp_path, binary="/opt/other haproxy")
     assert "'/opt/other haproxy' -dS" in again.read_text()
     assert list(tmp_path.iterdir()) == [again]  # no partial file left behind
+
+
+def test_a_wrapper_written_under_a_running_stack_runs_haproxy_regression_self_exec(
+        tmp_path, monkeypatch):
+    """A process started under a running stack inherits RAY_SERVE_HAPROXY_BINARY_PATH pointing
+    at the wrapper; the wrapper it wrote exec'd itself forever, so HAProxy never started (the
+    two-node test cluster's Serve failed to start, and this file's `-v` test hung after it)."""
+    first = haproxy.write_wrapper(tmp_path)
+    monkeypatch.setenv(haproxy.BINARY_ENV, str(first))
+    second = haproxy.write_wrapper(tmp_path)  # the same file, as every process writes it
+    assert f"exec {first} " not in second.read_text()
+    out = subprocess.run([str(second), "-v"], capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0 and out.stdout.startswith("HAProxy version"), out
+    assert os.environ[haproxy.BINARY_ENV] == str(first)  # the operator's setting is kept
