@@ -99,8 +99,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--step-ms", type=float, default=20.0)
-    parser.add_argument("--arms", default="channels,per-chunk", help="comma-separated (keep "
-                        "this flag and its value apart: each arm runs in a process of its own)")
+    parser.add_argument("--arms", default="channels,per-chunk",
+                        help="comma-separated; each arm runs in a process of its own (write "
+                        "`--arms A,B`, not `--arms=A,B`)")
     parser.add_argument("--py-spy", default=None, help="py-spy binary: profile both processes")
     parser.add_argument("--profile-s", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "stream-cpu")
@@ -114,11 +115,12 @@ def main() -> None:
     # One process (and one fresh Ray instance) per arm: nothing of one arm's stack is left
     # for the next to measure.
     rows = []
-    for arm in arms:
-        argv = list(sys.argv[1:])
+    argv = list(sys.argv[1:])
+    if "--arms" in argv:
         i = argv.index("--arms")
-        subprocess.run([sys.executable, __file__, *argv[:i], "--arms", arm, *argv[i + 2:]],
-                       check=True)
+        del argv[i:i + 2]
+    for arm in arms:
+        subprocess.run([sys.executable, __file__, *argv, "--arms", arm], check=True)
         rows.append(json.loads((a.out / f"{arm}.json").read_text()))
     print(f"| arm | streams | engine step ms | out tok/s | ITL p50 ms | TTFT p50 ms | chunks "
           f"| replica CPU us/chunk | router CPU us/chunk |\n{'| --- ' * 9}|")

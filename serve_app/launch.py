@@ -237,5 +237,6 @@ def stop_stack() -> None:
         reap_leftovers()
 
 
-__all__ = ["DeployResult", "Leftover", "base_url", "deploy", "serve_start_options", "find_leftovers", "reap_leftovers",
+__all__ = ["DeployResult", "Leftover", "base_url", "deploy", "find_leftovers", "reap_leftovers",
+           "serve_start_options",
            "start_stack", "status", "stop_stack"]

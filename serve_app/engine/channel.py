@@ -16,9 +16,10 @@ Contract (the replica side; :mod:`serve_app.ingress.channels` is the router side
 * The request's own stream stays open until the engine is done with it, so Serve still counts
   it (drain, ``max_ongoing_requests``) and cancelling it still aborts the engine's work.
 * :meth:`OutputChannels.stream` is the body of one channel; its first batch is empty (the
-  channel is open: the router never cancels an open channel, which could lose a batch). Chunks pushed while a router has no
-  channel open wait here until it opens one. A newer channel of the same router replaces the
-  older (which returns), so one router never reads one outbox from two streams (order).
+  channel is open: the router never cancels an open channel, which could lose a batch).
+  Chunks pushed while a router has no channel open wait here until it opens one. A newer
+  channel of the same router replaces the older (which returns), so one router never reads
+  one outbox from two streams (order).
 * A channel ends by itself once its router has had nothing in flight here for ``idle_s``:
   a draining replica must reach zero ongoing Serve requests to stop.
 """
@@ -47,7 +48,7 @@ class _Outbox:
         self.active = 0  # this router's requests whose chunks come through here
         self.generation = 0  # which open channel of this router is the current one
         self.readers = 0  # channels of this router open here (the current one and older ones)
-        self.touched = time.monotonic()
+        self.touched = time.monotonic()  # when its last request ended (or it was made)
 
 
 class OutputChannels:
@@ -80,6 +81,7 @@ class OutputChannels:
         box = self._boxes.get(router)
         if box is not None:
             box.active -= 1
+            box.touched = time.monotonic()
             if box.active <= 0:
                 box.ready.set()  # lets an idle channel start its idle timer
                 if box.readers == 0 and not box.items:
@@ -89,7 +91,6 @@ class OutputChannels:
         """Queue one chunk of ``request_id`` for ``router`` (no await: called per chunk)."""
         box = self._box(router)
         box.items.append((request_id, wire))
-        box.touched = time.monotonic()
         box.ready.set()
 
     def pending(self, router: str) -> int:

@@ -86,6 +86,7 @@ class ModelChannels:
         gone or stopping waits in Serve's routing, and a request there fails on its own."""
         try:
             while True:
+                gen = None
                 try:
                     gen = self.handle.channel.remote(self.router_id, **{TARGET_KWARG: replica})
                     # The replica's first message is an empty batch: the channel is open.
@@ -103,6 +104,8 @@ class ModelChannels:
                 except Exception as err:  # the replica went away; its streams fail on their own
                     logger.warning("output channel of %s replica %s: %r", self.model, replica,
                                    err)
+                    if gen is not None:
+                        gen.cancel()  # a call still waiting in Serve's routing stops waiting
                     await asyncio.sleep(REOPEN_BACKOFF_S)
                 if self._in_flight.get(replica, 0) <= 0:
                     return  # ended idle (or could not open) with nothing in flight: done

@@ -164,8 +164,8 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
             return len(now) == 2 and not ({e["id"] for e in now} & old)
 
         wait_until(rolled, 900, 2)
-        wait_until(lambda: json.loads(_cli("status", "--address", cluster["address"]).stdout)["status"]
-                   == "RUNNING", 300, 2)
+        wait_until(lambda: json.loads(_cli("status", "--address", cluster["address"]).stdout)
+                   ["status"] == "RUNNING", 300, 2)
         rolled_after = time.monotonic() - t1
         during = len(streamed) + len(whole)
         wait_until(lambda: len(streamed) + len(whole) >= during + 3, 120, 0.2)
