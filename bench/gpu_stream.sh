@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Stream smoothness on one GPU, in one command: bare `vllm serve`, the stack with its output
-# channels (the default), and the stack with `router.output_channels: false` (one Serve message
-# per token chunk: the path before the channels), same engine arguments, same `serve-app bench`
-# load. Each stack arm also runs PROFILE_C streams for PROFILE_S seconds under py-spy (the
-# LLMServer replica and the router). Everything lands in $OUT/stream-IN-OUT, plus one summary
-# file and one tarball there (the device tool returns a limited number of files).
+# channels (the default), the stack with `router.output_channels: false` (one Serve message per
+# token chunk: the path before the channels) and the stack with two router replicas
+# (`routers2`), same engine arguments, same `serve-app bench` load, REPEAT times per arm (runs
+# `ARM`, `ARM-r2`, ...: one run per arm is within the noise of a 2% gap). Each arm then runs
+# PROFILE_C streams for PROFILE_S seconds while bench/proc_cpu.py records every process's and
+# thread's CPU (cores busy: a thread at 1.00 is a saturated stage) and py-spy, where it can
+# attach, profiles the API server / the LLMServer replica and the router. Everything lands in
+# $OUT/stream-IN-OUT, plus one summary file and one tarball there (the device tool returns a
+# limited number of files).
 #
 # usage: bench/gpu_stream.sh IN_LEN OUT_LEN NUM_REQUESTS [CONCURRENCY] [CONFIG] [EXTRA_BENCH_ARGS...]
-#   env: ARMS="bare channels per-chunk", PROFILE_C=256, PROFILE_S=12 (0: no profile)
+#   env: ARMS="bare channels per-chunk", REPEAT=1, PROFILE_C=256, PROFILE_S=12 (0: no profile)
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
 IN=$1; OUTLEN=$2; NUM=$3; CONC=${4:-1,64,256}; CONFIG=${5:-deployments/gpu-1.yaml}
@@ -17,13 +21,14 @@ PY=${PYTHON:-python3}
 DEST=${OUT:-bench/out}
 DIR=$DEST/stream-${IN}-${OUTLEN}
 mkdir -p "$DIR"
-PROFILE_C=${PROFILE_C:-256}; PROFILE_S=${PROFILE_S:-12}
+PROFILE_C=${PROFILE_C:-256}; PROFILE_S=${PROFILE_S:-12}; REPEAT=${REPEAT:-1}
+STACK_ARMS="channels per-chunk routers2"
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
 MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].path)")
 [ -e "$MPATH" ] || $PY -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
 
-# The two stack configs: the deployment as it is, and with the output channels off.
-for arm in channels per-chunk; do
+# The stack configs: the deployment as it is, with the output channels off, with two routers.
+for arm in $STACK_ARMS; do
   $PY - "$CONFIG" "$arm" > "$DIR/$arm.yaml" <<'PY'
 import sys
 from pathlib import Path
@@ -35,39 +40,80 @@ from serve_app.config import load_config
 path, arm = sys.argv[1:3]
 cfg = yaml.safe_load(Path(path).read_text())
 cfg["models"][0]["path"] = load_config(path).models[0].path
-cfg.setdefault("router", {})["output_channels"] = arm == "channels"
+router = cfg.setdefault("router", {})
+router["output_channels"] = arm != "per-chunk"
+if arm == "routers2":
+    router["num_replicas"] = 2
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
 done
 
-bench() {  # url arm
-  $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" --input-len "$IN" \
-    --output-len "$OUTLEN" --num-requests "$NUM" --concurrency "$CONC" \
-    --token-range "${TOKEN_RANGE:-1000-20000}" --quiet --label "$2 ${IN}/${OUTLEN}" \
-    --out "$DIR/$2" "${EXTRA[@]}" > "$DIR/$2.log" 2>&1
-  grep -A6 "^## Runs" "$DIR/$2/summary.md" || tail -n 20 "$DIR/$2.log"
+bench() {  # url arm: REPEAT runs of the same load, each in its own folder
+  local r name
+  for r in $(seq "$REPEAT"); do
+    name=$2; [ "$r" -gt 1 ] && name=$2-r$r
+    $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" --input-len "$IN" \
+      --output-len "$OUTLEN" --num-requests "$NUM" --concurrency "$CONC" \
+      --token-range "${TOKEN_RANGE:-1000-20000}" --quiet --label "$name ${IN}/${OUTLEN}" \
+      --out "$DIR/$name" "${EXTRA[@]}" > "$DIR/$name.log" 2>&1
+    grep -A6 "^## Runs" "$DIR/$name/summary.md" || tail -n 20 "$DIR/$name.log"
+  done
 }
-profile() {  # url arm: PROFILE_C streams for a while, py-spy on the replica and the router
+profile() {  # url arm: PROFILE_C streams for a while; CPU of every process, py-spy where it can
   [ "$PROFILE_S" -gt 0 ] || return 0
   $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" --input-len "$IN" \
     --output-len "$OUTLEN" --num-requests $((PROFILE_C * 4)) --concurrency "$PROFILE_C" \
     --duration $((PROFILE_S + 8)) --warmup 0 --quiet --label "profile" --out "$DIR/$2-profile" \
     > "$DIR/$2-profile.log" 2>&1 &
-  local load=$!
+  # Wait for these pids only: a bare `wait` also waits for the arm's server, which runs in the
+  # background until stop(); it held every earlier profile phase until the command's time limit.
+  local waits=($!) parts="LLMServer Router"
+  [ "$2" = bare ] && parts=api-server
   sleep 6
-  for part in LLMServer Router; do
+  $PY bench/proc_cpu.py --out "$DIR/$2-cpu.md" --threads 4 \
+    --title "$2 arm, ${PROFILE_C} streams ${IN}/${OUTLEN}: cores busy per process" \
+    -- sleep "$PROFILE_S" > /dev/null 2>&1 &
+  waits+=($!)
+  for part in $parts; do
     local pid
-    pid=$(pgrep -f "ServeReplica:.*:${part}" | head -n 1)
+    if [ "$part" = api-server ]; then pid=$(pgrep -f "serve_app.cli vllm serve" | head -n 1)
+    else pid=$(pgrep -f "ServeReplica:.*:${part}" | head -n 1); fi
     [ -n "$pid" ] || { echo "no $part process"; continue; }
-    py-spy record --nonblocking -p "$pid" -d "$PROFILE_S" -r 200 -f raw \
-      -o "$DIR/$2-$part.pyspy.txt" > "$DIR/$2-$part.pyspy.log" 2>&1 &
+    command -v py-spy > /dev/null || continue
+    cat /proc/sys/kernel/yama/ptrace_scope > "$DIR/$2-$part.pyspy.log" 2>&1
+    py-spy record --nonblocking -p "$pid" -d "$PROFILE_S" -r 100 -f raw \
+      -o "$DIR/$2-$part.pyspy.txt" >> "$DIR/$2-$part.pyspy.log" 2>&1 &
+    waits+=($!)
   done
-  wait
-  for part in LLMServer Router; do
+  wait "${waits[@]}"
+  cat "$DIR/$2-cpu.md"
+  for part in $parts; do
     [ -s "$DIR/$2-$part.pyspy.txt" ] && $PY bench/profile_summary.py "$DIR/$2-$part.pyspy.txt" \
       --title "$2 arm, $part replica, ${PROFILE_C} streams ${IN}/${OUTLEN}" --top 20 \
       > "$DIR/$2-$part.profile.md"
   done
+}
+
+# The summary and the tarball, rewritten after every arm: a command cut off by its time limit
+# still returns the arms it finished (only files at most two folders below $OUT come back).
+finish() {
+  local SUMMARY=$DEST/stream-${IN}-${OUTLEN}-summary.md arm r sfx
+  {
+    for arm in $STACK_ARMS; do
+      for r in $(seq "$REPEAT"); do
+        sfx=""; [ "$r" -gt 1 ] && sfx=-r$r
+        [ -f "$DIR/bare$sfx/results.json" ] && [ -f "$DIR/$arm$sfx/results.json" ] && \
+          $PY bench/compare_arms.py "$DIR/bare$sfx/results.json" "$DIR/$arm$sfx/results.json" \
+            --title "$MODEL, ${IN} in / ${OUTLEN} out: bare vLLM vs stack ($arm), run $r"
+      done
+    done
+    cat "$DIR"/*-cpu.md "$DIR"/*.profile.md 2>/dev/null
+    for arm in bare $STACK_ARMS; do
+      [ -f "$DIR/$arm/summary.md" ] && { echo "## $arm"; cat "$DIR/$arm/summary.md"; }
+    done
+  } > "$SUMMARY"
+  tar -C "$DEST" --exclude='*.yaml' -czf "$DEST/stream-${IN}-${OUTLEN}.tar.gz" \
+    "stream-${IN}-${OUTLEN}"
 }
 
 for arm in ${ARMS:-bare channels per-chunk}; do
@@ -78,7 +124,8 @@ for arm in ${ARMS:-bare channels per-chunk}; do
     require_free_port 8100 || exit 1
     setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
     PID=$!
-    wait_ready http://127.0.0.1:8100 $PID 420 && bench http://127.0.0.1:8100 bare
+    wait_ready http://127.0.0.1:8100 $PID 420 && bench http://127.0.0.1:8100 bare && \
+      profile http://127.0.0.1:8100 bare
   else
     echo "== stack ($arm): serve-app run --config $DIR/$arm.yaml"
     require_free_port 8000 || exit 1
@@ -90,20 +137,7 @@ for arm in ${ARMS:-bare channels per-chunk}; do
   fi
   stop $PID
   echo "$arm arm took $(( $(date +%s) - T0 ))s"
+  finish
 done
+grep -B2 -A6 "^| conc" "$DEST/stream-${IN}-${OUTLEN}-summary.md"
 
-SUMMARY=$DEST/stream-${IN}-${OUTLEN}-summary.md
-{
-  for arm in channels per-chunk; do
-    [ -f "$DIR/bare/results.json" ] && [ -f "$DIR/$arm/results.json" ] && \
-      $PY bench/compare_arms.py "$DIR/bare/results.json" "$DIR/$arm/results.json" \
-        --title "$MODEL, ${IN} in / ${OUTLEN} out: bare vLLM vs stack ($arm)"
-  done
-  for arm in bare channels per-chunk; do
-    [ -f "$DIR/$arm/summary.md" ] && { echo "## $arm"; cat "$DIR/$arm/summary.md"; }
-  done
-  cat "$DIR"/*.profile.md 2>/dev/null
-} > "$SUMMARY"
-cat "$SUMMARY" | head -n 40
-tar -C "$DEST" --exclude='*.yaml' -czf "$DEST/stream-${IN}-${OUTLEN}.tar.gz" \
-  "stream-${IN}-${OUTLEN}"

@@ -11,6 +11,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,10 @@ class Progress:
 
     def tick(self) -> None:
         self.done += 1
-        if self.enabled:
+        if self.enabled and not self.total:  # a run bounded by time: no known end
+            sys.stderr.write(f"\r{self.label} {self.done} done")
+            sys.stderr.flush()
+        elif self.enabled:
             filled = int(30 * self.done / max(self.total, 1))
             sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] "
                              f"{self.done}/{self.total}")
@@ -118,28 +122,29 @@ def _session(concurrency: int, timeout_s: float) -> aiohttp.ClientSession:
     )
 
 
-async def run_concurrency(target: Target, reqs: list[PlannedRequest], concurrency: int,
+async def run_concurrency(target: Target, reqs: Iterable[PlannedRequest], concurrency: int,
                           progress: Progress | None = None, duration_s: float | None = None
                           ) -> tuple[list[RequestRecord], float]:
     """At most ``concurrency`` requests in flight; a new one starts as soon as one ends (or at
-    its planned arrival when the plan has a rate). With ``duration_s``, requests not started by
-    then are skipped (those in flight finish). Returns records and the wall time."""
-    sem = asyncio.Semaphore(concurrency)
+    its planned arrival when the plan has a rate), in plan order. ``reqs`` may be a lazy plan
+    without end when ``duration_s`` bounds the run: requests not started by then are never
+    drawn (those in flight finish). Returns records and the wall time."""
     records: list[RequestRecord] = []
+    pending = iter(reqs)  # shared by the workers: each takes the next request when it is free
     async with _session(concurrency, target.timeout_s) as session:
         t0 = time.perf_counter()
 
-        async def one(r: PlannedRequest) -> None:
-            if r.send_at is not None:
-                await asyncio.sleep(max(0.0, t0 + r.send_at - time.perf_counter()))
-            async with sem:
+        async def worker() -> None:
+            for r in pending:
+                if r.send_at is not None:
+                    await asyncio.sleep(max(0.0, t0 + r.send_at - time.perf_counter()))
                 if duration_s is not None and time.perf_counter() - t0 > duration_s:
                     return
                 records.append(await send_one(session, target, r))
-            if progress:
-                progress.tick()
+                if progress:
+                    progress.tick()
 
-        await asyncio.gather(*(one(r) for r in reqs))
+        await asyncio.gather(*(worker() for _ in range(max(concurrency, 1))))
         return records, time.perf_counter() - t0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from serve_app.bench import report
 from serve_app.bench.client import Progress, Target, run_concurrency, run_static
 from serve_app.bench.stats import SLO, service_over_time, summarize, summarize_by_tenant
-from serve_app.bench.workload import parse_length, parse_tenants, plan
+from serve_app.bench.workload import iter_plan, parse_length, parse_tenants, plan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", default="200",
                    help="measured requests per run: one number, or one per concurrency (a,b,c)")
     p.add_argument("--duration", type=float, default=None,
-                   help="stop starting requests after this many seconds of a run")
+                   help="stop starting requests after this many seconds of a run (requests are "
+                   "drawn as they are sent; --num-requests does not bound such a run)")
     p.add_argument("--concurrency", default="1,8,32",
                    help="comma-separated concurrency caps; one run each")
     p.add_argument("--rate", type=float, default=None,
@@ -74,16 +75,17 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--num-requests: give one number or one per concurrency")
     counts = counts * len(caps) if len(counts) == 1 else counts
     for i, conc in enumerate(caps):
-        n = counts[i] if args.duration is None else 1_000_000
+        # A run bounded by time draws requests until it ends; --num-requests bounds the others.
+        n = counts[i] if args.duration is None else None
         warm = args.warmup if args.warmup is not None else max(conc, 2)
         if warm:
             await run_concurrency(target, plan(warm, in_len, out_len, tenants, vocab,
                                                seed=args.seed + 1000 + i), conc)
-        reqs = plan(n, in_len, out_len, tenants, vocab, seed=args.seed + i, rate=args.rate,
-                    burstiness=args.burstiness)
+        reqs = iter_plan(n, in_len, out_len, tenants, vocab, seed=args.seed + i,
+                         rate=args.rate, burstiness=args.burstiness)
         label = f"c={conc}" + (f" rate={args.rate}" if args.rate else "")
         records, wall = await run_concurrency(
-            target, reqs, conc, Progress(len(reqs), label, progress_on), args.duration)
+            target, reqs, conc, Progress(n or 0, label, progress_on), args.duration)
         t0 = min(r.start for r in records)
         runs.append({
             "name": label, "concurrency": conc, "rate": args.rate,

@@ -7,7 +7,9 @@ from a range. Arrivals follow a gamma process (burstiness 1 = Poisson) or a conc
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -56,37 +58,50 @@ def parse_length(spec: str) -> tuple[int, int]:
     return a, b
 
 
-def gamma_arrivals(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
-    """Send offsets of ``n`` requests at mean ``rate`` req/s with gamma-distributed gaps.
+def gamma_offsets(rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:
+    """Send offsets (s) of requests at mean ``rate`` req/s with gamma-distributed gaps, without
+    end: 0, then each gap added.
 
     Shape = burstiness, scale = 1 / (rate * burstiness), so the mean gap is 1/rate whatever the
     burstiness; burstiness 1 is a Poisson process, lower is burstier, higher is more regular.
     """
     if rate <= 0 or burstiness <= 0:
         raise ValueError("rate and burstiness must be positive")
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
+    t = 0.0
+    while True:
+        yield t
         t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-    return out
+
+
+def gamma_arrivals(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """The first ``n`` of :func:`gamma_offsets`."""
+    return list(itertools.islice(gamma_offsets(rate, burstiness, rng), n))
+
+
+def iter_plan(n: int | None, input_len: tuple[int, int], output_len: tuple[int, int],
+              tenants: list[Tenant], vocab: tuple[int, int], seed: int = 0,
+              rate: float | None = None, burstiness: float = 1.0) -> Iterator[PlannedRequest]:
+    """``n`` requests (``None``: without end, for runs bounded by time), drawn as they are
+    needed: prompt/output lengths uniform in the ranges, tenants by share, token ids uniform in
+    ``vocab`` = (low, high) exclusive, arrival offsets when ``rate`` is set. A run bounded by
+    time builds only the requests it sends (a plan of a million prompts up front kept the
+    client busy for minutes instead of sending load)."""
+    rng = random.Random(seed)
+    arrivals = gamma_offsets(rate, burstiness, random.Random(f"{seed}-arrivals")) if rate else None
+    weights = [t.share for t in tenants]
+    for i in itertools.count() if n is None else range(n):
+        p_len = rng.randint(*input_len)
+        yield PlannedRequest(
+            index=i,
+            prompt_token_ids=[rng.randrange(*vocab) for _ in range(p_len)],
+            max_tokens=rng.randint(*output_len),
+            tenant=rng.choices(tenants, weights)[0],
+            send_at=next(arrivals) if arrivals is not None else None,
+        )
 
 
 def plan(n: int, input_len: tuple[int, int], output_len: tuple[int, int], tenants: list[Tenant],
          vocab: tuple[int, int], seed: int = 0, rate: float | None = None,
          burstiness: float = 1.0) -> list[PlannedRequest]:
-    """``n`` requests: prompt/output lengths drawn uniformly from the ranges, tenants by share,
-    token ids uniform in ``vocab`` = (low, high) exclusive, arrival offsets when ``rate`` is set."""
-    rng = random.Random(seed)
-    arrivals = gamma_arrivals(n, rate, burstiness, rng) if rate else [None] * n
-    weights = [t.share for t in tenants]
-    out = []
-    for i in range(n):
-        p_len = rng.randint(*input_len)
-        out.append(PlannedRequest(
-            index=i,
-            prompt_token_ids=[rng.randrange(*vocab) for _ in range(p_len)],
-            max_tokens=rng.randint(*output_len),
-            tenant=rng.choices(tenants, weights)[0],
-            send_at=arrivals[i],
-        ))
-    return out
+    """The first ``n`` requests of :func:`iter_plan`, as a list."""
+    return list(iter_plan(n, input_len, output_len, tenants, vocab, seed, rate, burstiness))
