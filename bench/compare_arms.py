@@ -51,6 +51,26 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def server_timing(stack: dict) -> str:
+    """The stack's own account of its requests' TTFT (``Server-Timing``), p50 per phase."""
+    from serve_app.bench.stats import percentile
+    from serve_app.engine.timing import PHASES
+
+    lines = []
+    for run in stack["runs"]:
+        seen = [r["server_timing"] for r in run["records"] if r.get("server_timing")]
+        if not seen:
+            continue
+        if not lines:
+            lines = ["", "Server-Timing p50 (ms) of the stack's requests:", "",
+                     "| conc | requests | " + " | ".join(PHASES) + " |",
+                     "| --- | --- | " + " | ".join("---" for _ in PHASES) + " |"]
+        values = [[t[p] for t in seen if p in t] for p in PHASES]
+        cells = [f"{percentile(v, 50):.2f}" if v else "-" for v in values]
+        lines.append(f"| {run['concurrency']} | {len(seen)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("bare")
@@ -60,7 +80,7 @@ def main() -> None:
     a = p.parse_args()
     bare, stack = (json.loads(Path(x).read_text()) for x in (a.bare, a.stack))
     rows = compare(bare, stack)
-    text = markdown(rows, a.title)
+    text = markdown(rows, a.title) + server_timing(stack)
     print(text)
     if a.md:
         Path(a.md).write_text(text)

@@ -11,7 +11,8 @@
 # limited number of files).
 #
 # usage: bench/gpu_stream.sh IN_LEN OUT_LEN NUM_REQUESTS [CONCURRENCY] [CONFIG] [EXTRA_BENCH_ARGS...]
-#   env: ARMS="bare channels per-chunk", REPEAT=1, PROFILE_C=256, PROFILE_S=12 (0: no profile)
+#   env: ARMS="bare channels per-chunk", REPEAT=1, CACHED= (1: rerun run 1's prompts),
+#        PROFILE_C=256, PROFILE_S=12 (0: no profile)
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
 IN=$1; OUTLEN=$2; NUM=$3; CONC=${4:-1,64,256}; CONFIG=${5:-deployments/gpu-1.yaml}
@@ -42,18 +43,21 @@ cfg = yaml.safe_load(Path(path).read_text())
 cfg["models"][0]["path"] = load_config(path).models[0].path
 router = cfg.setdefault("router", {})
 router["output_channels"] = arm != "per-chunk"
+router["server_timing"] = True  # the bench records where each request's TTFT went
 if arm == "routers2":
     router["num_replicas"] = 2
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
 done
 
-bench() {  # url arm: REPEAT runs of the same load, each in its own folder
-  local r name
-  for r in $(seq "$REPEAT"); do
-    name=$2; [ "$r" -gt 1 ] && name=$2-r$r
+bench() {  # url arm: REPEAT runs, each with prompts of its own (run r: seed 1000*(r-1)); with
+  # CACHED=1 then run 1's prompts once more (`ARM-cached`: the prefix cache holds them)
+  local r name seed
+  for r in $(seq "$REPEAT") ${CACHED:+cached}; do
+    if [ "$r" = cached ]; then name=$2-cached; seed=0
+    else name=$2; [ "$r" -gt 1 ] && name=$2-r$r; seed=$((1000 * (r - 1))); fi
     $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" --input-len "$IN" \
-      --output-len "$OUTLEN" --num-requests "$NUM" --concurrency "$CONC" \
+      --output-len "$OUTLEN" --num-requests "$NUM" --concurrency "$CONC" --seed "$seed" \
       --token-range "${TOKEN_RANGE:-1000-20000}" --quiet --label "$name ${IN}/${OUTLEN}" \
       --out "$DIR/$name" "${EXTRA[@]}" > "$DIR/$name.log" 2>&1
     grep -A6 "^## Runs" "$DIR/$name/summary.md" || tail -n 20 "$DIR/$name.log"
@@ -100,8 +104,8 @@ finish() {
   local SUMMARY=$DEST/stream-${IN}-${OUTLEN}-summary.md arm r sfx
   {
     for arm in $STACK_ARMS; do
-      for r in $(seq "$REPEAT"); do
-        sfx=""; [ "$r" -gt 1 ] && sfx=-r$r
+      for r in $(seq "$REPEAT") ${CACHED:+cached}; do
+        sfx=""; [ "$r" = cached ] && sfx=-cached; [ "$r" != cached ] && [ "$r" -gt 1 ] && sfx=-r$r
         [ -f "$DIR/bare$sfx/results.json" ] && [ -f "$DIR/$arm$sfx/results.json" ] && \
           $PY bench/compare_arms.py "$DIR/bare$sfx/results.json" "$DIR/$arm$sfx/results.json" \
             --title "$MODEL, ${IN} in / ${OUTLEN} out: bare vLLM vs stack ($arm), run $r"

@@ -19,6 +19,7 @@ import aiohttp
 
 from serve_app.bench.stats import RequestRecord
 from serve_app.bench.workload import PlannedRequest
+from serve_app.engine.timing import parse_server_timing
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ async def send_one(session: aiohttp.ClientSession, target: Target, req: PlannedR
         async with session.post(target.base_url + target.endpoint, json=_payload(target, req),
                                 headers=headers) as resp:
             rec.status = resp.status
+            rec.server_timing = parse_server_timing(resp.headers.get("Server-Timing"))
             if resp.status != 200:
                 rec.error = (await resp.text())[:500]
                 return rec

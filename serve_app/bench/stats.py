@@ -30,6 +30,9 @@ class RequestRecord:
     end: float | None = None
     status: int = 0  # HTTP status; 0 when no response came (connection error)
     error: str | None = None
+    # The server's own account of the time to first token (``Server-Timing``, ms), if it sent
+    # one: the stack does with ``router.server_timing``.
+    server_timing: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -146,7 +146,9 @@ class EngineLoad:
     ``kv_cache_usage``: fraction of KV-cache blocks in use (0..1).
     ``max_running``: the most requests the engine runs at once (vLLM's ``max_num_seqs``).
     ``step_tokens``: tokens one engine step may process (``max_num_batched_tokens``).
-    ``prompt_tokens_avg``: recent prompt length (moving average), 0 before the first request.
+    ``prefill_tokens_avg``: prompt tokens recent requests needed computed (moving average): the
+    prompt less what the engine's prefix cache held, so a step starts as many prompts as it
+    really can; 0 before the first request.
     """
 
     running: int
@@ -154,7 +156,7 @@ class EngineLoad:
     kv_cache_usage: float = 0.0
     max_running: int = 0
     step_tokens: int = 0
-    prompt_tokens_avg: float = 0.0
+    prefill_tokens_avg: float = 0.0
 
 
 @runtime_checkable

@@ -83,7 +83,7 @@ class ScriptedEngine:
         self._waiting: list[_Sequence] = []
         self._arrivals = itertools.count()
         self._started: list[str] = []
-        self._prompt_tokens_avg = 0.0
+        self._prefill_tokens_avg = 0.0
         self._loop: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
@@ -98,7 +98,7 @@ class ScriptedEngine:
         return EngineLoad(running=len(self._running), waiting=len(self._waiting),
                           kv_cache_usage=len(self._running) / self.max_running,
                           max_running=self.max_running, step_tokens=self.step_tokens,
-                          prompt_tokens_avg=self._prompt_tokens_avg)
+                          prefill_tokens_avg=self._prefill_tokens_avg)
 
     def unfinished_requests(self) -> int:
         return len(self._running) + len(self._waiting)
@@ -128,7 +128,7 @@ class ScriptedEngine:
                 f"max_tokens ({max_tokens}) plus the prompt ({prompt_tokens} tokens) exceeds "
                 f"the context length ({self._max_model_len})", param="max_tokens")
         seq = _Sequence(request, next(self._arrivals), prompt_tokens, max_tokens)
-        self._prompt_tokens_avg += 0.1 * (prompt_tokens - self._prompt_tokens_avg)
+        self._prefill_tokens_avg += 0.1 * (prompt_tokens - self._prefill_tokens_avg)
         self._waiting.append(seq)
         self._wake.set()
         try:

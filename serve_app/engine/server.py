@@ -110,7 +110,7 @@ class LLMServer:
             "kv_cache_usage": load.kv_cache_usage,
             "max_running": load.max_running,
             "step_tokens": load.step_tokens,
-            "prompt_tokens_avg": load.prompt_tokens_avg,
+            "prefill_tokens_avg": load.prefill_tokens_avg,
             "unfinished": unfinished() if unfinished else load.running + load.waiting,
         }
 

@@ -62,7 +62,7 @@ class VLLMEngine:
         self._max_model_len = 0
         self._max_running = 0
         self._step_tokens = 0
-        self._prompt_tokens_avg = 0.0
+        self._prefill_tokens_avg = 0.0
         self._priority = False
         self._max_token_chars = 0  # 0: no length bound before encoding (unknown vocabulary)
         self._stats = _SchedulerCounts()
@@ -101,11 +101,19 @@ class VLLMEngine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    def _note_prefill(self, prompt_tokens: int, cached_tokens: int | None) -> None:
+        """Fold one started request into the recent prefill size (EWMA): the prompt less its
+        prefix-cache hit. The router's admission divides a step's token budget by it; counting
+        cached tokens as work made it admit 2 prompts of 1,024 tokens per step where the
+        engine could start many more (H200, repeated prompts: 0.93x bare vLLM's throughput)."""
+        computed = max(1, prompt_tokens - (cached_tokens or 0))
+        self._prefill_tokens_avg = 0.9 * self._prefill_tokens_avg + 0.1 * computed
+
     def load(self) -> EngineLoad:
         s = self._stats
         return EngineLoad(running=s.running, waiting=s.waiting, kv_cache_usage=s.kv_cache_usage,
                           max_running=self._max_running, step_tokens=self._step_tokens,
-                          prompt_tokens_avg=self._prompt_tokens_avg)
+                          prefill_tokens_avg=self._prefill_tokens_avg)
 
     def unfinished_requests(self) -> int:
         """Requests the engine front end still tracks (drops to 0 once aborts are processed)."""
@@ -216,9 +224,8 @@ class VLLMEngine:
             raise EngineRequestError("the prompt is empty", param="prompt")
         params = self._sampling_params(request, len(ids))
         n_prompt = len(ids)
-        # Recent prompt length (EWMA): how many prompts fill one step's token budget.
-        avg = self._prompt_tokens_avg
-        self._prompt_tokens_avg = n_prompt if avg == 0 else 0.9 * avg + 0.1 * n_prompt
+        if self._prefill_tokens_avg == 0:  # nothing measured yet: assume no cache hit
+            self._prefill_tokens_avg = float(n_prompt)
         # DELTA outputs: vLLM's per-request collector merges whatever piled up while this
         # consumer was busy, so a slow hop downstream gets fewer, larger chunks, never a timer.
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
@@ -244,6 +251,7 @@ class VLLMEngine:
                                         finished=out.finished)
                 if first:  # once per request: a few subtractions, no per-token cost
                     first = False
+                    self._note_prefill(n_prompt, getattr(out, "num_cached_tokens", None))
                     chunk.timing = replica_phases(entered, submitted, time.monotonic(),
                                                   getattr(out, "metrics", None))
                 yield chunk

@@ -22,7 +22,8 @@ class ReplicaLoad:
     ``running``/``waiting``: started and held-but-not-started requests in its engine, as of the
     engine's latest step; ``kv_cache_usage`` 0..1; ``max_running``: the engine's batch limit
     (vLLM's ``max_num_seqs``, 0 if unknown); ``step_tokens``: its per-step token budget
-    (``max_num_batched_tokens``); ``prompt_tokens_avg``: its recent prompt length (0: unknown).
+    (``max_num_batched_tokens``); ``prefill_tokens_avg``: the tokens its recent prompts needed
+    computed, prefix-cache hits left out (0: unknown).
     """
 
     replica: str
@@ -32,14 +33,14 @@ class ReplicaLoad:
     kv_cache_usage: float = 0.0
     max_running: int = 0
     step_tokens: int = 0
-    prompt_tokens_avg: float = 0.0
+    prefill_tokens_avg: float = 0.0
 
     @property
     def step_intake(self) -> int:
         """About how many waiting prompts one engine step can start (0: unknown)."""
-        if self.step_tokens <= 0 or self.prompt_tokens_avg <= 0:
+        if self.step_tokens <= 0 or self.prefill_tokens_avg <= 0:
             return 0
-        return int(self.step_tokens // max(1.0, self.prompt_tokens_avg))
+        return int(self.step_tokens // max(1.0, self.prefill_tokens_avg))
 
     @classmethod
     def from_report(cls, report: dict) -> ReplicaLoad:
@@ -48,7 +49,7 @@ class ReplicaLoad:
                    kv_cache_usage=float(report.get("kv_cache_usage", 0.0)),
                    max_running=int(report.get("max_running", 0)),
                    step_tokens=int(report.get("step_tokens", 0)),
-                   prompt_tokens_avg=float(report.get("prompt_tokens_avg", 0.0)))
+                   prefill_tokens_avg=float(report.get("prefill_tokens_avg", 0.0)))
 
 
 class CapacityPolicy(Protocol):

@@ -23,7 +23,8 @@ async def _serve(delay_s: float) -> tuple[web.AppRunner, str, dict]:
         state["prompts"].append(body["prompt"])
         state["in_flight"] += 1
         state["peak"] = max(state["peak"], state["in_flight"])
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Server-Timing": "queue;dur=1.5, dispatch;dur=2"})
         await resp.prepare(request)
         try:
             for _ in range(2):
@@ -62,6 +63,7 @@ def test_cap_and_order_of_a_counted_run():
             await runner.cleanup()
         assert len(records) == 12 and all(r.error is None and r.ttft for r in records)
         assert state["peak"] == 3
+        assert records[0].server_timing == {"queue": 1.5, "dispatch": 2.0}
         assert state["prompts"][:3] == [r.prompt_token_ids for r in reqs[:3]]
 
     asyncio.run(scenario())

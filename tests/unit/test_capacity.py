@@ -117,15 +117,20 @@ def test_engine_queue_holds_one_steps_worth_of_prompts():
     """Regression (H200 flood): a fixed queue of 4 let the engine start 4 prompts per step when
     its 8,192-token budget had room for 8 of 1,024 tokens."""
     r = ReplicaLoad("r0", active=300, running=292, waiting=8, max_running=512, step_tokens=8192,
-                    prompt_tokens_avg=1024.0)
+                    prefill_tokens_avg=1024.0)
     assert r.step_intake == 8
     p = policy()
     p.capacity([r], 1)
     # 8 pending = what the next step starts; plus the headroom of 4.
     assert p.capacity([r], 1) == 292 + 8 + 4
     short = ReplicaLoad("r1", active=100, running=100, waiting=0, max_running=512,
-                        step_tokens=8192, prompt_tokens_avg=128.0)
+                        step_tokens=8192, prefill_tokens_avg=128.0)
     assert policy().capacity([short], 1) == 100 + 64 + 4
+    # Cached prefixes: 1,024-token prompts of which 16 tokens need computing start 128 a step.
+    cached = ReplicaLoad("r2", active=300, running=292, waiting=20, max_running=512,
+                         step_tokens=2048, prefill_tokens_avg=16.0)
+    assert cached.step_intake == 128
+    assert policy().capacity([cached], 1) == 292 + 128 + 4
 
 
 def test_a_tenant_with_nothing_in_flight_gets_in_at_capacity():
@@ -167,7 +172,7 @@ def test_the_engine_never_holds_more_than_its_batch_plus_headroom():
     still held requests whose responses were being sent (their places counted twice)."""
     p = policy(headroom=2)
     r = ReplicaLoad("r0", active=0, running=0, waiting=0, max_running=8, step_tokens=2048,
-                    prompt_tokens_avg=2.0)
+                    prefill_tokens_avg=2.0)
     p._steps["r0"] = (0, 8)  # the previous step had grown by a whole batch
     assert p.capacity([r], 1) == 8 + 2
 
@@ -176,7 +181,7 @@ def test_short_prompts_do_not_flood_a_full_batch():
     # 2,048-token steps and 5-token prompts: "one step's worth" would be 400 requests, but a
     # full batch starts only as many as finish; the engine queue stays at the headroom.
     r = ReplicaLoad("r0", active=8, running=8, waiting=0, max_running=8, step_tokens=2048,
-                    prompt_tokens_avg=5.0)
+                    prefill_tokens_avg=5.0)
     assert policy().capacity([r], 1) == 8 + 4
 
 
