@@ -258,6 +258,13 @@ class RouterSettings(_Strict):
         False, description="Serve a non-loopback `host` with no tenants (anyone who reaches "
         "the port uses the GPUs without a key). Refused unless set: add `tenants:` instead.",
     )
+    stream_stall_timeout_s: float = Field(
+        60.0, gt=0, description="A streamed response whose client accepts no bytes for this "
+        "long is cut (status 408 in the tenant metrics) and its engine work aborted: a reader "
+        "that stopped or trickles holds an admission slot, KV cache and router memory until "
+        "then. Counted from a write the client did not take; the kernel's and HAProxy's "
+        "buffers take a few hundred KB first. Waiting for the engine never counts.",
+    )
     server_timing: bool = Field(
         False, description="Send a `Server-Timing` header on generation responses: the "
         "request's router queue wait, the hop to its replica and the engine's phases up to "

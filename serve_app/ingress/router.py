@@ -33,6 +33,7 @@ from serve_app.ingress.errors import OpenAIError, install_error_handlers
 from serve_app.ingress.live_config import REFRESH_S, read_tenants, tenants_version
 from serve_app.ingress.openapi import install as install_openapi
 from serve_app.ingress.openapi import request_body
+from serve_app.ingress.stall import ClientStalled, StallWatch
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
 from serve_app.ingress.tenants import TenantGate
@@ -99,18 +100,41 @@ class GuardedStreamingResponse(StreamingResponse):
     A client that leaves before the first byte can make Starlette cancel the response before
     it ever starts the body generator; a generator that never started never runs its
     ``finally``, which would leave the engine generating and the admission slot held.
-    ``on_abandon`` must be idempotent (the generator's own cleanup usually ran already)."""
+    ``on_abandon(status)`` must be idempotent (the generator's own cleanup usually ran
+    already); its status is 408 when the stall watch cut a client that stopped reading, 499
+    otherwise."""
 
-    def __init__(self, content: AsyncIterator[bytes], *, on_abandon: Callable[[], None],
-                 **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], *, on_abandon: Callable[[int], None],
+                 stall_watch: StallWatch | None = None, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._on_abandon = on_abandon
+        self._stall_watch = stall_watch
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        status = 499
         try:
             await super().__call__(scope, receive, send)
+        except ClientStalled:
+            status = 408  # cut on purpose: the connection closes without the rest of the body
         finally:
-            self._on_abandon()
+            self._on_abandon(status)
+
+    async def stream_response(self, send: Any) -> None:
+        """Starlette's, with each write timed by the stall watch (if any): a client that takes
+        nothing for ``router.stream_stall_timeout_s`` is cut (:mod:`serve_app.ingress.stall`)."""
+        if self._stall_watch is None:
+            return await super().stream_response(send)
+        timed_send, watched = self._stall_watch.timed(send)
+        try:
+            await super().stream_response(timed_send)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not watched.stalled or task is None:
+                raise
+            task.uncancel()  # our own cut, not a cancellation of the whole response
+            raise ClientStalled() from None
+        finally:
+            self._stall_watch.done(watched)
 
 
 def _engine_error(exc: BaseException) -> EngineRequestError | None:
@@ -164,6 +188,8 @@ class OpenAIRouter:
         self.created = int(time.time())
         self._max_model_len: dict[str, int] = {}
         self.gate = TenantGate(self.config)
+        # Streams whose client stopped reading are cut (serve_app/ingress/stall.py).
+        self._stall_watch = StallWatch(self.settings.stream_stall_timeout_s)
         # Live tenants (serve_app/ingress/live_config.py): the bound config's until a deploy
         # publishes others; checked at most once per REFRESH_S, before authenticating.
         self.tenants_version = tenants_version(self.config.tenants)
@@ -409,7 +435,7 @@ class OpenAIRouter:
 
             return GuardedStreamingResponse(
                 self._sse(gen, first, ticket, builder, req.include_usage, end),
-                on_abandon=lambda: end(499),
+                on_abandon=end, stall_watch=self._stall_watch,
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
             )
