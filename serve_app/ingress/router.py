@@ -33,9 +33,9 @@ from serve_app.ingress.errors import OpenAIError, install_error_handlers
 from serve_app.ingress.live_config import REFRESH_S, read_tenants, tenants_version
 from serve_app.ingress.openapi import install as install_openapi
 from serve_app.ingress.openapi import request_body
-from serve_app.ingress.stall import ClientStalled, StallWatch
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
+from serve_app.ingress.stall import ClientStalled, StallWatch
 from serve_app.ingress.tenants import TenantGate
 from serve_app.routing.capacity import COLD_START_PROBE, capacity_policy
 from serve_app.tenancy.fair_queue import service_of

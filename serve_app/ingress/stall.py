@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+class ClientStalled(Exception):
+    """Raised out of a response the stall watch cut (the response ends without its body)."""
+
+
 class _Watched:
     """One streamed response's write state, as the watch reads it."""
 
@@ -40,13 +44,12 @@ class _Watched:
 
 class StallWatch:
     """The write watchdog of one router replica. ``limit_s``: longest a single write may wait
-    for the client; ``on_cut`` is called once per response it cuts (metrics)."""
+    for the client; ``cut`` counts the responses it cut (the tenant metrics count them as 408
+    through the response's cleanup)."""
 
-    def __init__(self, limit_s: float, check_s: float | None = None,
-                 on_cut: Callable[[], None] | None = None) -> None:
+    def __init__(self, limit_s: float, check_s: float | None = None) -> None:
         self.limit_s = limit_s
         self.check_s = check_s if check_s is not None else min(1.0, limit_s / 4)
-        self._on_cut = on_cut or (lambda: None)
         self._watched: set[_Watched] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.cut = 0
@@ -81,7 +84,6 @@ class StallWatch:
                 w.task.cancel()
                 self._watched.discard(w)
                 cut += 1
-                self._on_cut()
         self.cut += cut
         return cut
 
@@ -92,7 +94,3 @@ class StallWatch:
             if n:
                 logger.warning("cut %d stream(s) whose client accepted nothing for %.0f s", n,
                                self.limit_s)
-
-
-class ClientStalled(Exception):
-    """Raised out of a response the stall watch cut (the response ends without its body)."""
