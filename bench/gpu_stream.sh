@@ -6,9 +6,9 @@
 # `ARM`, `ARM-r2`, ...: one run per arm is within the noise of a 2% gap). Each arm then runs
 # PROFILE_C streams for PROFILE_S seconds while bench/proc_cpu.py records every process's and
 # thread's CPU (cores busy: a thread at 1.00 is a saturated stage) and py-spy, where it can
-# attach, profiles the API server / the LLMServer replica and the router. Everything lands in
-# $OUT/stream-IN-OUT, plus one summary file and one tarball there (the device tool returns a
-# limited number of files).
+# attach, profiles the API server / the LLMServer replica and the router. The arms work in
+# WORK/stream-IN-OUT; $OUT gets the summary, a tarball of the logs and summaries and one of the
+# per-request results (the device tool returns a limited number of files).
 #
 # usage: bench/gpu_stream.sh IN_LEN OUT_LEN NUM_REQUESTS [CONCURRENCY] [CONFIG] [EXTRA_BENCH_ARGS...]
 #   env: ARMS="bare channels per-chunk", REPEAT=1, CACHED= (1: rerun run 1's prompts),
@@ -19,9 +19,13 @@ IN=$1; OUTLEN=$2; NUM=$3; CONC=${4:-1,64,256}; CONFIG=${5:-deployments/gpu-1.yam
 shift $(( $# < 5 ? $# : 5 ))
 EXTRA=("$@")
 PY=${PYTHON:-python3}
+# The device tool returns at most 8 files from $OUT, none deeper than two folders, 16 MiB each:
+# the arms work in WORK, and $OUT gets the summary and two tarballs (logs and summaries; the
+# per-request results.json files).
 DEST=${OUT:-bench/out}
-DIR=$DEST/stream-${IN}-${OUTLEN}
-mkdir -p "$DIR"
+WORK=${WORK:-${TMPDIR:-/tmp}/gpu-stream}
+DIR=$WORK/stream-${IN}-${OUTLEN}
+mkdir -p "$DIR" "$DEST"
 PROFILE_C=${PROFILE_C:-256}; PROFILE_S=${PROFILE_S:-12}; REPEAT=${REPEAT:-1}
 STACK_ARMS="channels per-chunk routers2"
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
@@ -116,8 +120,10 @@ finish() {
       [ -f "$DIR/$arm/summary.md" ] && { echo "## $arm"; cat "$DIR/$arm/summary.md"; }
     done
   } > "$SUMMARY"
-  tar -C "$DEST" --exclude='*.yaml' -czf "$DEST/stream-${IN}-${OUTLEN}.tar.gz" \
-    "stream-${IN}-${OUTLEN}"
+  tar -C "$WORK" --exclude='*.yaml' --exclude=results.json --exclude='*.png' \
+    --exclude='*.pyspy.txt' -czf "$DEST/stream-${IN}-${OUTLEN}-logs.tgz" "stream-${IN}-${OUTLEN}"
+  (cd "$WORK" && find "stream-${IN}-${OUTLEN}" -name results.json -print0 | \
+    tar --null -T - -czf "$DEST/stream-${IN}-${OUTLEN}-results.tgz")
 }
 
 for arm in ${ARMS:-bare channels per-chunk}; do
