@@ -20,6 +20,8 @@ DEFAULT_TENANT = "team-a"
 ENGINE_BATCH = 8
 HEADROOM = 2
 IN_FLIGHT = ENGINE_BATCH + HEADROOM
+# router.stream_stall_timeout_s of the shared stack: short, so the slow-reader test is quick.
+STALL_S = 3.0
 # Tenants of the shared stack: the default one the tests act as, a second unlimited one, and
 # tenants whose limits the tenancy tests run into (each test owns its limited tenant).
 TENANTS: dict[str, dict] = {
@@ -67,7 +69,8 @@ def stack(tiny_model_path):
                                                        "max_num_seqs": ENGINE_BATCH}})
     # Server-Timing on: the phase test reads it (off by default in production configs).
     router = cfg.router.model_copy(update={
-        "port": port, "server_timing": True, "admission": cfg.router.admission.model_copy(
+        "port": port, "server_timing": True, "stream_stall_timeout_s": STALL_S,
+        "admission": cfg.router.admission.model_copy(
             update={"headroom": HEADROOM, "poll_interval_s": 0.05})})
     cfg = cfg.model_copy(update={"router": router, "tenants": tenants, "models": [model]})
     # As `serve-app run` starts it (the same data plane, with the dashboard, whose head writes

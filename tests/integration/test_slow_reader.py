@@ -1,0 +1,73 @@
+"""A client that stops reading a stream is cut after ``router.stream_stall_timeout_s`` (the
+suite's stack: STALL_S), and what its request held is freed.
+
+The slow reader talks to the router replica's own port: through HAProxy a stream of a few MB
+fits in HAProxy's and the kernel's buffers (bench/RESULTS.md section 9c), so the router's writes
+would never wait; on the router's port about 2 MB fill the socket, then a write waits."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import psutil
+import pytest
+
+from serve_app.config import APP_NAME
+from tests.integration.conftest import STALL_S, admission_state, engine_load, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _router_port() -> int:
+    """The HTTP port the suite's router replica listens on itself (HAProxy forwards to it)."""
+    title = f"ServeReplica:{APP_NAME}:Router"
+    for proc in psutil.process_iter(["cmdline"]):
+        if not any(title in arg for arg in proc.info["cmdline"] or []):
+            continue
+        for conn in proc.net_connections(kind="tcp"):
+            if conn.status != psutil.CONN_LISTEN:
+                continue
+            try:
+                if httpx.get(f"http://127.0.0.1:{conn.laddr.port}/health",
+                             timeout=2).status_code == 200:
+                    return conn.laddr.port
+            except httpx.HTTPError:
+                continue
+    raise AssertionError("no HTTP port of the router replica found")
+
+
+def test_a_client_that_stops_reading_is_cut_and_frees_its_request(stack, client):
+    port = _router_port()
+    body = json.dumps({"model": stack["model"], "prompt": "hello", "max_tokens": 1500, "n": 16,
+                       "ignore_eos": True, "stream": True}).encode()  # ~4 MB of SSE
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {stack['key']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connect: small window
+    sock.connect(("127.0.0.1", port))
+    try:
+        sock.sendall(head + body)
+        wait_until(lambda: admission_state(stack)["in_flight"] >= 1, 30)
+        t0 = time.monotonic()
+        # Nothing is read: the socket fills, a write waits, the stall watch cuts the stream.
+        wait_until(lambda: admission_state(stack)["in_flight"] == 0
+                   and engine_load(stack)["running"] == 0, 120, 0.2)
+        held_s = time.monotonic() - t0
+        # Read what the kernel holds: the server closed the connection mid-stream.
+        sock.settimeout(30)
+        received = b""
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+    finally:
+        sock.close()
+    assert received.startswith(b"HTTP/1.1 200")
+    assert b"data: [DONE]" not in received[-200:], "the stream was not cut"
+    assert held_s > STALL_S
+    # Nobody else is affected: the service answers.
+    r = client.post("/v1/completions", json={"model": stack["model"], "prompt": "hi",
+                                             "max_tokens": 4})
+    assert r.status_code == 200
