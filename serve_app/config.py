@@ -263,7 +263,8 @@ class RouterSettings(_Strict):
         "long is cut (status 408 in the tenant metrics) and its engine work aborted: a reader "
         "that stopped or trickles holds an admission slot, KV cache and router memory until "
         "then. Counted from a write the client did not take; the kernel's and HAProxy's "
-        "buffers take a few hundred KB first. Waiting for the engine never counts.",
+        "buffers take a few MB of a stream first (bench/RESULTS.md section 9c). Waiting for "
+        "the engine never counts.",
     )
     server_timing: bool = Field(
         False, description="Send a `Server-Timing` header on generation responses: the "

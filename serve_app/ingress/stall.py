@@ -1,14 +1,15 @@
 """Cut streamed responses whose client stopped reading.
 
 A client that reads a stream slowly or not at all (a stuck consumer, a slow-loris reader) is
-not a disconnect: its connection stays open, the kernel's and HAProxy's buffers fill (a few
-hundred KB), and then the router's write of the next SSE event waits. Meanwhile the request
+not a disconnect: its connection stays open, the kernel's and HAProxy's buffers fill (on Linux
+defaults about 2 MB on the router's own socket, about 4 MB more through HAProxy), and then the
+router's write of the next SSE event waits. Meanwhile the request
 holds an admission slot, its engine keeps generating (KV cache, batch place) and the router
 buffers what the engine produced. :class:`StallWatch` finds such writes: each streamed response
 notes when a write starts and ends (two attribute stores per event, no timer per write), and one
 task per router replica looks every ``check_s`` for writes pending longer than the limit and
 cancels their response task; the response's cleanup then aborts the engine's work as for a
-client that left (status 499).
+client that left, and accounts the request as status 408.
 
 Only writes are timed: a stream that waits for its engine (a long prompt, a queue) is not
 stalled, and a client that reads one byte a second still blocks the writes once the buffers are
