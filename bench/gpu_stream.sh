@@ -25,6 +25,7 @@ PY=${PYTHON:-python3}
 DEST=${OUT:-bench/out}
 WORK=${WORK:-${TMPDIR:-/tmp}/gpu-stream}
 DIR=$WORK/stream-${IN}-${OUTLEN}
+rm -rf "$DIR"  # a finished run of an earlier command on this host is not this one's arm
 mkdir -p "$DIR" "$DEST"
 PROFILE_C=${PROFILE_C:-256}; PROFILE_S=${PROFILE_S:-12}; REPEAT=${REPEAT:-1}
 STACK_ARMS="channels per-chunk routers2"
