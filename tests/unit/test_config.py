@@ -117,3 +117,8 @@ def test_open_endpoint_on_a_public_address_is_refused_unless_asked_for():
         raise AssertionError("an open endpoint on 0.0.0.0 was accepted")
     parse_config({"models": models, "router": {"host": "0.0.0.0", "allow_open_endpoint": True}})
     parse_config({"models": models, "router": {"host": "127.0.0.1"}})
+
+
+def test_stall_timeout_must_be_positive():
+    msg = _error({"models": [_model()], "router": {"stream_stall_timeout_s": 0}})
+    assert "router.stream_stall_timeout_s" in msg
