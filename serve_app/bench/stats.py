@@ -159,3 +159,35 @@ def service_over_time(records: list[RequestRecord], t0: float, bin_s: float
             overlap = min(end, t0 + (b + 1) * bin_s) - max(first, t0 + b * bin_s)  # type: ignore[type-var]
             row[b] += r.output_tokens * max(overlap, 0.0) / span / bin_s
     return series
+
+
+def paired_difference(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0
+                      ) -> dict[str, float]:
+    """How much larger ``b`` is than ``a`` when each ``b[i]`` was measured beside ``a[i]`` (the
+    same prompt, back to back): the median of the per-pair differences ``b[i] - a[i]`` with a
+    95% bootstrap interval (pairs resampled, seeded), beside each side's own median.
+
+    Pairing removes what both sides share in a pair (the prompt, the machine's state at that
+    moment); two medians taken in separate runs moved by 7 ms between machines where the gap
+    to measure was 2 ms (bench/RESULTS.md section 12b)."""
+    if len(a) != len(b):
+        raise ValueError("paired samples need the same length")
+    if not a:
+        return {"pairs": 0}
+    import random
+
+    diffs = [y - x for x, y in zip(a, b)]
+    rng = random.Random(seed)
+    n = len(diffs)
+    boots = sorted(percentile([diffs[rng.randrange(n)] for _ in range(n)], 50)
+                   for _ in range(resamples))
+    return {
+        "pairs": n,
+        "a_p50": percentile(a, 50),
+        "b_p50": percentile(b, 50),
+        "diff_p50": percentile(diffs, 50),
+        "diff_mean": sum(diffs) / n,
+        "diff_p50_ci_low": percentile(boots, 2.5),
+        "diff_p50_ci_high": percentile(boots, 97.5),
+        "b_slower_share": sum(d > 0 for d in diffs) / n,
+    }

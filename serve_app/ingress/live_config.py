@@ -1,9 +1,9 @@
 """The live part of a deployment's config: its tenants (keys, priorities, model access, quotas).
 
 `serve-app deploy` writes them to the cluster's key-value store (Ray's GCS, which outlives any
-replica); every router replica reads them at most once per ``REFRESH_S`` before it authenticates a
-request, so a removed key is refused within about a second everywhere, without restarting a
-router or an engine. A router replica that restarts (or is added) reads the same record, so a
+replica); every router replica reads them before it authenticates its first request and then
+every ``REFRESH_S`` in the background (never on a request's path), so a removed key is refused
+within about a second everywhere, without restarting a router or an engine. A router replica that restarts (or is added) reads the same record, so a
 revoked key never comes back with a replica. Everything else in the config (models, engine
 arguments, router settings) is deployment structure: changing it redeploys (see
 ``serve_app.launch.deploy``).

@@ -191,9 +191,14 @@ class OpenAIRouter:
         # Streams whose client stopped reading are cut (serve_app/ingress/stall.py).
         self._stall_watch = StallWatch(self.settings.stream_stall_timeout_s)
         # Live tenants (serve_app/ingress/live_config.py): the bound config's until a deploy
-        # publishes others; checked at most once per REFRESH_S, before authenticating.
+        # publishes others. Read once before the first request is authenticated, then every
+        # REFRESH_S by a background task: the store read (a thread hop and a GCS round trip)
+        # used to run inline on every request that found the list a second old, which at
+        # c=1 was most of them, on their time to first token.
         self.tenants_version = tenants_version(self.config.tenants)
         self._tenants_checked = 0.0
+        self._tenants_task: asyncio.Task[None] | None = None
+        self._tenants_read = asyncio.Event()
         self._app_name = _app_name()
         # Until the first load poll the model may have no replica: one request goes through
         # (it wakes a model scaled to zero), the rest wait for the feed's first answer.
@@ -235,14 +240,14 @@ class OpenAIRouter:
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:
-        await self._refresh_tenants()
+        await self._tenants_current()
         tenant = self.gate.authenticate(request.headers.get("authorization"))
         return {"object": "list", "data": [await self._model_card(m)
                                            for m in self._visible(tenant)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(self, model: str, request: Request) -> dict[str, Any]:
-        await self._refresh_tenants()
+        await self._tenants_current()
         tenant = self.gate.authenticate(request.headers.get("authorization"))
         self._stream_handle(model, tenant)
         return await self._model_card(model)
@@ -255,12 +260,32 @@ class OpenAIRouter:
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, ChatCompletionRequest, "chat", "chatcmpl-")
 
-    async def _refresh_tenants(self) -> None:
-        """Adopt the live tenant list if a deploy published a new one (at most one store read
-        per REFRESH_S; a record that does not validate against this app is refused and
-        logged, and the current tenants stay)."""
+    async def _tenants_current(self) -> None:
+        """Return once the live tenant list has been read at least once by this replica (a
+        replica started after a tenant change must not accept a revoked key even once); the
+        first call starts the task that re-reads it every REFRESH_S. Free after the first read."""
+        if self._tenants_task is None:
+            self._tenants_task = asyncio.get_running_loop().create_task(
+                self._keep_tenants_current())
+        if not self._tenants_read.is_set():
+            await self._tenants_read.wait()
+
+    async def _keep_tenants_current(self) -> None:
+        """Re-read the live tenant list every REFRESH_S, for the life of the replica."""
+        while True:
+            try:
+                await self._refresh_tenants(force=True)
+            except Exception:  # never let the refresher die: the next round tries again
+                logger.exception("live tenant refresh failed")
+            self._tenants_read.set()
+            await asyncio.sleep(REFRESH_S)
+
+    async def _refresh_tenants(self, force: bool = False) -> None:
+        """Adopt the live tenant list if a deploy published a new one (unless ``force``, at
+        most one store read per REFRESH_S; a record that does not validate against this app is
+        refused and logged, and the current tenants stay)."""
         now = time.monotonic()
-        if now - self._tenants_checked < REFRESH_S:
+        if not force and now - self._tenants_checked < REFRESH_S:
             return
         self._tenants_checked = now
         try:
@@ -343,7 +368,7 @@ class OpenAIRouter:
             for name, controller in self.admission.items():
                 self.gate.queue_changed(name, controller)
                 self.feeds[name].start()
-        await self._refresh_tenants()
+        await self._tenants_current()
         tenant = self.gate.authenticate(http_request.headers.get("authorization"))
         label, status, builder, streaming = "", 500, None, False
         slot = Slot()

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# TTFT at c=1, bare vLLM against the stack, measured in pairs (bench/paired_ttft.py): both
+# servers run at once on one GPU, each with UTIL of its memory, and every prompt goes to one and
+# then the other, one request in flight at a time. Separate runs carried the machine's drift into
+# the comparison (bare vLLM's own c=1 TTFT p50 moved 7 ms between two runs, the gap to measure
+# is 2 ms); a pair shares its moment.
+#
+# usage: bench/gpu_paired_ttft.sh "IN/OUT/PAIRS ..." [CONFIG]   e.g. "1024/128/64 128/1024/32"
+#   env: UTIL=0.42 (each server's share of GPU memory), WARMUP=4, BUDGET_S=540 (a shape
+#   starts no new pair once the command has run this long, less the time to stop the servers)
+# The servers start once; the shapes run one after the other. $OUT gets per shape
+# paired-IN-OUT.md (the table) and paired-IN-OUT.json (every request), and the logs.
+set -uo pipefail
+. "$(dirname "$0")/arm_lib.sh"
+SHAPES=$1; CONFIG=${2:-deployments/gpu-1.yaml}
+PY=${PYTHON:-python3}
+DEST=${OUT:-bench/out}
+WORK=${WORK:-${TMPDIR:-/tmp}/gpu-paired}
+DIR=$WORK/paired
+rm -rf "$DIR"
+mkdir -p "$DIR" "$DEST"
+UTIL=${UTIL:-0.42}
+
+# One config for both servers: the deployment's, with a share of the GPU and Server-Timing on
+# (the stack's side of the table shows where its time went).
+$PY - "$CONFIG" "$UTIL" > "$DIR/paired.yaml" <<'PY'
+import sys
+from pathlib import Path
+
+import yaml
+
+from serve_app.config import load_config
+
+path, util = sys.argv[1:3]
+cfg = yaml.safe_load(Path(path).read_text())
+model = cfg["models"][0]
+model["path"] = load_config(path).models[0].path
+if model.get("device", "cpu") == "gpu":
+    model.setdefault("engine_kwargs", {})["gpu_memory_utilization"] = float(util)
+cfg.setdefault("router", {})["server_timing"] = True
+print(yaml.safe_dump(cfg, sort_keys=False))
+PY
+MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$DIR/paired.yaml').models[0].name)")
+MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$DIR/paired.yaml').models[0].path)")
+[ -e "$MPATH" ] || $PY -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
+
+require_free_port 8100 && require_free_port 8000 || exit 1
+BARE_CMD=$($PY -m serve_app.bench.arms "$DIR/paired.yaml")
+echo "== bare vLLM: $BARE_CMD --port 8100"
+T0=$(date +%s)
+setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
+BARE=$!
+STACK=""
+finish() {
+  [ -n "$STACK" ] && stop "$STACK"
+  stop "$BARE"
+  tar -C "$WORK" -czf "$DEST/paired-logs.tgz" paired
+}
+# The stack starts once bare vLLM holds its memory: vLLM sizes its KV cache from what it finds.
+if ! wait_ready http://127.0.0.1:8100 "$BARE" 420; then finish; exit 1; fi
+echo "bare ready after $(( $(date +%s) - T0 ))s"
+echo "== stack: serve-app run --config $DIR/paired.yaml --port 8000"
+setsid $PY -m serve_app.cli run --config "$DIR/paired.yaml" --port 8000 \
+  > "$DIR/stack-server.log" 2>&1 &
+STACK=$!
+if ! wait_ready http://127.0.0.1:8000 "$STACK" 420; then finish; exit 1; fi
+echo "both ready after $(( $(date +%s) - T0 ))s"
+DEADLINE=$(( T0 + ${BUDGET_S:-540} - 45 ))
+for shape in $SHAPES; do
+  IFS=/ read -r IN OUTLEN PAIRS <<< "$shape"
+  LEFT=$(( DEADLINE - $(date +%s) ))
+  [ "$LEFT" -gt 10 ] || { echo "no time left for $shape"; break; }
+  echo "== $shape (at most ${LEFT}s)"
+  $PY bench/paired_ttft.py --a http://127.0.0.1:8100 --b http://127.0.0.1:8000 \
+    --model "$MODEL" --input-len "$IN" --output-len "$OUTLEN" --num "$PAIRS" \
+    --warmup "${WARMUP:-4}" --max-seconds "$LEFT" --token-range "${TOKEN_RANGE:-1000-20000}" \
+    --out "$DEST/paired-${IN}-${OUTLEN}.json" | tee "$DEST/paired-${IN}-${OUTLEN}.md"
+done
+finish
+echo "took $(( $(date +%s) - T0 ))s"
