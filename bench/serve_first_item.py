@@ -7,7 +7,8 @@ calls it through a streaming handle with a GenerationRequest of PROMPT token ids
 first item. ``in``: ``.remote()`` -> method entered (the handle's routing, the request's
 serialization, the replica's dispatch); ``out``: the yield -> the item at the caller. Variants:
 Serve's default request router and the stack's pinned one (serve_app/routing/pinned.py), a
-streaming and a unary call.
+streaming and a unary call, over Serve's gRPC transport and over Ray actor calls
+(``_by_reference``).
 
 usage: python bench/serve_first_item.py [--calls 200] [--prompt 1024]
 """
@@ -43,8 +44,9 @@ class Consumer:
     def __init__(self, default, pinned) -> None:
         self.handles = {"default": default, "pinned": pinned}
 
-    async def run(self, router: str, kind: str, calls: int, prompt: int) -> dict[str, float]:
-        handle = self.handles[router]
+    async def run(self, router: str, kind: str, calls: int, prompt: int, by_reference: bool
+                  ) -> dict[str, float]:
+        handle = self.handles[router].options(_by_reference=by_reference)
         if kind == "stream":
             handle = handle.options(stream=True)
         ins, outs = [], []
@@ -71,13 +73,16 @@ async def main(calls: int, prompt: int) -> None:
                               request_router_config={"request_router_class": ROUTER_CLASS})
     handle = serve.run(Consumer.bind(Producer.bind(), pinned.bind()), name="first-item",
                        route_prefix=None)
-    print("| router | call | in p50 ms | out p50 ms | total p50 ms |\n| --- | --- | --- | --- | --- |")
+    print("| transport | router | call | in p50 ms | out p50 ms | total p50 ms |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     for _ in range(2):  # the first round warms connections and code paths
-        for router in ("default", "pinned"):
-            for kind in ("stream", "unary"):
-                r = await handle.run.remote(router, kind, calls, prompt)
-                print(f"| {router} | {kind} | {r['in']:.2f} | {r['out']:.2f} | {r['total']:.2f} |",
-                      flush=True)
+        for by_reference in (False, True):
+            transport = "actor call" if by_reference else "gRPC"
+            for router in ("default", "pinned"):
+                for kind in ("stream", "unary"):
+                    r = await handle.run.remote(router, kind, calls, prompt, by_reference)
+                    print(f"| {transport} | {router} | {kind} | {r['in']:.2f} | {r['out']:.2f} "
+                          f"| {r['total']:.2f} |", flush=True)
     serve.shutdown()
 
 

@@ -37,6 +37,7 @@ from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
 from serve_app.ingress.stall import ClientStalled, StallWatch
 from serve_app.ingress.tenants import TenantGate
+from serve_app.ingress.transport import on_data_plane, uses_grpc
 from serve_app.routing.capacity import COLD_START_PROBE, capacity_policy
 from serve_app.tenancy.fair_queue import service_of
 from serve_app.tenancy.keys import Tenant
@@ -183,6 +184,7 @@ class OpenAIRouter:
     def __init__(self, config: dict[str, Any], servers: dict[str, DeploymentHandle]) -> None:
         self.config = AppConfig.model_validate(config)
         self.settings = self.config.router
+        servers = {name: on_data_plane(h) for name, h in servers.items()}
         self.streams = {name: h.options(stream=True) for name, h in servers.items()}
         self.handles = servers
         self.created = int(time.time())
@@ -325,7 +327,8 @@ class OpenAIRouter:
                        "engine_waiting": sum(r.waiting for r in self.feeds[name].replicas),
                        "engine_running": sum(r.running for r in self.feeds[name].replicas),
                        "output_channels": (self.channels[name].open_channels()
-                                           if name in self.channels else 0)}
+                                           if name in self.channels else 0),
+                       "transport": "grpc" if uses_grpc(self.streams[name]) else "actor call"}
                 for name, a in self.admission.items()}
 
     # -- internals ------------------------------------------------------------------------------

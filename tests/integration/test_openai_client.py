@@ -47,6 +47,16 @@ def test_streamed_chunks_after_the_first_come_through_an_output_channel(oai, sta
     assert admission_state(stack)["output_channels"] >= 1
 
 
+def test_router_reaches_engines_over_grpc_regression_handles_from_the_driver_used_actor_calls(
+        stack):
+    """The suite's stack runs Serve's throughput-optimized data plane: the router's calls to
+    the engine replicas go over its gRPC transport, not as the Ray actor calls the driver's
+    handles default to (serve_app/ingress/transport.py)."""
+    from tests.integration.conftest import admission_state
+
+    assert admission_state(stack)["transport"] == "grpc"
+
+
 def test_chat_completion(oai, stack):
     r = oai.chat.completions.create(model=stack["model"], max_tokens=8,
                                     messages=[{"role": "user", "content": "Hi"}])
