@@ -95,7 +95,7 @@ bench-fairness: install model
 	bash bench/fairness.sh
 
 # Faults and overload against a local stack (two engine replicas): disconnect storm, replica
-# kill, overload; figures in bench/out/chaos/{chaos.json,chaos.md}, exit 1 if a bound is missed.
+# kill, overload, slow readers; figures in bench/out/chaos/{chaos.json,chaos.md}, exit 1 if a bound is missed.
 CHAOS_ARGS ?=
 chaos: install model
 	$(BIN)/serve-app chaos --out bench/out/chaos $(CHAOS_ARGS)

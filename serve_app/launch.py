@@ -139,6 +139,35 @@ def serve_start_options(config: AppConfig) -> dict[str, Any]:
             "http_options": {"host": config.router.host, "port": config.router.port}}
 
 
+def router_replica_port(app_name: str = APP_NAME) -> int:
+    """The HTTP port a router replica of ``app_name`` on this machine listens on itself (the
+    one HAProxy forwards to). Clients that need the router's own socket behaviour use it: a
+    stream below a few MB fits in HAProxy's and the kernel's buffers, so a client that stops
+    reading through HAProxy never makes the router's writes wait (bench/RESULTS.md 9c).
+    Raises LookupError when no such replica answers here."""
+    import urllib.request
+    from http.client import HTTPException
+
+    import psutil  # installed with vLLM
+
+
+    title = f"ServeReplica:{app_name}:Router"
+    for proc in psutil.process_iter(["cmdline"]):
+        if not any(title in arg for arg in proc.info["cmdline"] or []):
+            continue
+        for conn in proc.net_connections(kind="tcp"):
+            if conn.status != psutil.CONN_LISTEN:
+                continue
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{conn.laddr.port}/health",
+                                            timeout=2) as answer:
+                    if answer.status == 200:
+                        return int(conn.laddr.port)
+            except (OSError, HTTPException):  # refused, timeout, not HTTP: another port
+                continue
+    raise LookupError(f"no HTTP port of a {app_name} router replica found on this machine")
+
+
 def base_url(config: AppConfig) -> str:
     """Where the app's OpenAI endpoint answers, seen from this machine."""
     host = "127.0.0.1" if config.router.host in ("0.0.0.0", "::") else config.router.host

@@ -14,6 +14,13 @@ batch and two tenants, through :func:`serve_app.launch.start_stack`, and runs:
    ``openai`` client does) for a while; bound: the excess gets
    429/503 with Retry-After in under 100 ms at p99, no 500s, no replica restarts, and a probe's
    latency is back to its baseline within 30 s.
+4. **slow readers**: streams (n=16 choices of 1,500 tokens, a few MB of SSE) whose clients read
+   one byte a second through a 2 KB receive window, on the router replica's own port (through
+   HAProxy a stream this size fits in its buffers and the kernel's, so the router never waits),
+   beside another tenant's ordinary streams; bound: every slow stream is cut by the stall watch
+   (``router.stream_stall_timeout_s``, ``--stall-s``) and closed without its end, the router
+   and the engines hold nothing afterwards, and the other tenant's streams all complete with
+   ITL p50 within 2x and TTFT p50 within 1 s of their own baseline.
 
 Writes ``chaos.json`` and ``chaos.md`` under ``--out`` and exits 1 if a bound is missed. The
 figures go to bench/RESULTS.md with the command that produced them.
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +48,7 @@ QUEUE = 24  # router.max_queued_per_band
 REPLICAS = 2
 TENANTS = {"chaos-a": "normal", "chaos-b": "high"}
 REFUSED = (429, 503)
+STALL_S = 5.0  # router.stream_stall_timeout_s of the chaos stack (--stall-s)
 
 
 @dataclass
@@ -318,7 +327,163 @@ async def overload(t: Target, factor: int = 5, duration_s: float = 60.0,
         "replica_changes": "none", "recovered_after_s": f"<= {recovery_bound_s:g}"})
 
 
-def chaos_config(base: AppConfig, port: int) -> tuple[AppConfig, dict[str, str]]:
+SLOW_BODY = {"prompt": "hello", "max_tokens": 1500, "n": 16, "ignore_eos": True,
+             "stream": True}  # ~4 MB of SSE: more than the ~2 MB a socket buffers
+
+
+async def _slow_reader(t: Target, port: int, tenant: str, read: dict[socket.socket, bytes],
+                       read_every_s: float = 1.0) -> None:
+    """One stream whose client reads a byte every ``read_every_s`` through a 2 KB window, on
+    the router replica's own ``port``, until cancelled; ``read`` keeps what it got."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connect: small window
+    sock.setblocking(False)
+    read[sock] = b""
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    body = json.dumps({"model": t.model, **SLOW_BODY}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {t.keys[tenant]}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    await loop.sock_sendall(sock, head + body)
+    while True:
+        await asyncio.sleep(read_every_s)
+        try:
+            read[sock] += sock.recv(1)
+        except BlockingIOError:
+            pass
+        except OSError:
+            return
+
+
+async def _fast_reader(session: aiohttp.ClientSession, t: Target, tenant: str) -> bool:
+    """The slow readers' request read at full speed; True if it completed."""
+    body = {"model": t.model, **SLOW_BODY}
+    async with session.post(f"{t.base}/v1/completions", json=body,
+                            headers={"Authorization": f"Bearer {t.keys[tenant]}"}) as r:
+        data = await r.read()
+    return r.status == 200 and b"data: [DONE]" in data[-200:]
+
+
+def _drain(sock: socket.socket) -> bytes:
+    """Everything left to read on ``sock`` until the server closed it (a few MB at most)."""
+    sock.setblocking(True)
+    sock.settimeout(30)
+    received = b""
+    try:
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+    except OSError:
+        pass
+    finally:
+        sock.close()
+    return received
+
+
+async def slow_readers(t: Target, readers: int = 4, stall_s: float = STALL_S,
+                       bound_s: float = 300.0) -> Scenario:
+    """Slow readers beside another tenant's streams, against a control: the same requests read
+    at full speed. On the chaos stack's 4-sequence engines a 16-choice request takes every
+    engine slot it can until it ends, so the other tenant waits for slots in both phases; what
+    the slow readers may add is their hold until the stall limit cuts them."""
+    from serve_app.bench.client import Target as BenchTarget
+    from serve_app.bench.client import send_one
+    from serve_app.bench.stats import RequestRecord
+    from serve_app.bench.workload import PlannedRequest
+    from serve_app.bench.workload import Tenant as BenchTenant
+    from serve_app.launch import router_replica_port
+
+    slow, other = list(TENANTS)
+    port = await asyncio.to_thread(router_replica_port)
+    kv_idle = max(e["kv_cache_usage"] for e in await asyncio.to_thread(t.engines))
+    target = BenchTarget(t.base, t.model)
+    tenant = BenchTenant(other, t.keys[other], 1.0)
+
+    async def streams(session: aiohttp.ClientSession, until: asyncio.Event, n: int | None
+                      ) -> list[RequestRecord]:
+        """The other tenant: two clients streaming 64-token completions back to back."""
+        records: list[RequestRecord] = []
+
+        async def worker(w: int) -> None:
+            i = w
+            while not until.is_set() and (n is None or i < n):
+                req = PlannedRequest(i, [11 + i % 50] * 16, 64, tenant, None)
+                records.append(await send_one(session, target, req))
+                i += 2
+
+        await asyncio.gather(worker(0), worker(1))
+        return records
+
+    def p50(records: list[RequestRecord], what: str) -> float:
+        if what == "ttft":
+            return 1000 * percentile([r.ttft for r in records if r.ttft is not None], 50)
+        return 1000 * percentile([g for r in records for g in r.itl], 50)
+
+    def slow_in_flight() -> int:
+        return int(t.admission()["in_flight_by_tenant"].get(slow, 0))
+
+    read: dict[socket.socket, bytes] = {}
+    async with _session() as session:
+        alone = await streams(session, asyncio.Event(), 12)
+        # Control: the same requests, read at full speed.
+        done = asyncio.Event()
+        beside_fast_task = asyncio.create_task(streams(session, done, None))
+        t0 = time.monotonic()
+        fast_ok = await asyncio.gather(*[_fast_reader(session, t, slow) for _ in range(readers)])
+        fast_s = round(time.monotonic() - t0, 1)
+        done.set()
+        beside_fast = await beside_fast_task
+        # The same requests, read a byte a second on the router's own port.
+        readers_tasks = [asyncio.create_task(_slow_reader(t, port, slow, read))
+                         for _ in range(readers)]
+        started = time.monotonic()
+        admitted = await asyncio.to_thread(_wait, lambda: slow_in_flight() >= 1, 60, 0.1)
+        done = asyncio.Event()
+        beside_slow_task = asyncio.create_task(streams(session, done, None))
+        # The slow tenant's requests end only through the stall watch (nobody reads them).
+        released = await asyncio.to_thread(_wait, lambda: slow_in_flight() == 0, bound_s, 0.2)
+        released_s = None if released is None else round(time.monotonic() - started, 1)
+        done.set()
+        beside_slow = await beside_slow_task
+        for task in readers_tasks:
+            task.cancel()
+        await asyncio.gather(*readers_tasks, return_exceptions=True)
+    got = await asyncio.gather(*[asyncio.to_thread(lambda s=s: read[s] + _drain(s))
+                                 for s in list(read)])
+    cut = sum(1 for b in got if b.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in b[-200:])
+    idle_after = await asyncio.to_thread(_wait, lambda: _idle(t, kv_idle), 30)
+    failed_other = sum(1 for r in alone + beside_fast + beside_slow if not r.ok)
+    ttft_fast, ttft_slow = p50(beside_fast, "ttft"), p50(beside_slow, "ttft")
+    itl_alone, itl_slow = p50(alone, "itl"), p50(beside_slow, "itl")
+    figures = {"slow_readers": readers, "stall_limit_s": stall_s,
+               "control_fast_readers_completed": sum(fast_ok),
+               "control_fast_readers_took_s": fast_s,
+               "slow_tenant_released_after_s": released_s,
+               "slow_streams_cut_without_end": cut,
+               "bytes_each_slow_client_got": sorted(len(b) for b in got),
+               "router_and_engines_idle_after_s": None if idle_after is None
+               else round(idle_after, 2),
+               "other_tenant_streams": len(alone) + len(beside_fast) + len(beside_slow),
+               "other_tenant_failed": failed_other,
+               "other_ttft_p50_ms alone / beside fast / beside slow":
+                   f"{p50(alone, 'ttft'):.1f} / {ttft_fast:.1f} / {ttft_slow:.1f}",
+               "other_itl_p50_ms alone / beside fast / beside slow":
+                   f"{itl_alone:.2f} / {p50(beside_fast, 'itl'):.2f} / {itl_slow:.2f}"}
+    passed = (all(fast_ok) and admitted is not None and released_s is not None
+              and cut == readers and idle_after is not None and idle_after <= 5.0
+              and failed_other == 0 and bool(beside_slow) and itl_slow <= 2 * itl_alone
+              and ttft_slow <= ttft_fast + 1000 * stall_s + 1000)
+    return Scenario("slow readers", passed, figures, {
+        "slow_tenant_released_after_s": f"<= {bound_s:g}",
+        "slow_streams_cut_without_end": f"{readers}",
+        "router_and_engines_idle_after_s": "<= 5", "other_tenant_failed": "0",
+        "other_itl_p50_ms alone / beside fast / beside slow": "beside slow <= 2x alone",
+        "other_ttft_p50_ms alone / beside fast / beside slow":
+            "beside slow <= beside fast + stall limit + 1 s"})
+
+
+def chaos_config(base: AppConfig, port: int, stall_s: float = STALL_S
+                 ) -> tuple[AppConfig, dict[str, str]]:
     """The embedded default with two engine replicas of a small batch, a short router queue and
     two tenants (fresh keys); returns the config and the keys."""
     from serve_app.tenancy.keys import key_digest, new_key
@@ -330,7 +495,7 @@ def chaos_config(base: AppConfig, port: int) -> tuple[AppConfig, dict[str, str]]
         "autoscaling": model.autoscaling.model_copy(update={"min_replicas": REPLICAS,
                                                             "max_replicas": REPLICAS})})
     router = base.router.model_copy(update={
-        "port": port, "max_queued_per_band": QUEUE,
+        "port": port, "max_queued_per_band": QUEUE, "stream_stall_timeout_s": stall_s,
         "admission": base.router.admission.model_copy(update={"headroom": HEADROOM,
                                                               "poll_interval_s": 0.05})})
     tenants = [TenantSettings(name=n, api_key_sha256=[key_digest(keys[n])], priority=p)
@@ -357,9 +522,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="deployment YAML to start from")
     p.add_argument("--port", type=int, default=8010)
     p.add_argument("--out", default="bench/out/chaos")
-    p.add_argument("--scenarios", default="storm,kill,overload",
-                   help="comma-separated subset of storm, kill, overload")
+    p.add_argument("--scenarios", default="storm,kill,overload,slow",
+                   help="comma-separated subset of storm, kill, overload, slow")
     p.add_argument("--overload-s", type=float, default=60.0, help="overload duration")
+    p.add_argument("--slow-readers", type=int, default=4, help="slow-reader streams")
+    p.add_argument("--stall-s", type=float, default=STALL_S,
+                   help="router.stream_stall_timeout_s of the chaos stack")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -367,7 +535,7 @@ def main(args: argparse.Namespace) -> int:
 
     from serve_app.launch import start_stack, stop_stack
 
-    cfg, keys = chaos_config(load_config(Path(args.config)), args.port)
+    cfg, keys = chaos_config(load_config(Path(args.config)), args.port, args.stall_s)
     base = start_stack(cfg, log_to_driver=False)
     scenarios: list[Scenario] = []
     try:
@@ -378,7 +546,8 @@ def main(args: argparse.Namespace) -> int:
         _wait(lambda: len(t.engines()) == REPLICAS, 600, 1.0)
         runs = {"storm": lambda: disconnect_storm(t),
                 "kill": lambda: replica_kill(t),
-                "overload": lambda: overload(t, duration_s=args.overload_s)}
+                "overload": lambda: overload(t, duration_s=args.overload_s),
+                "slow": lambda: slow_readers(t, args.slow_readers, args.stall_s)}
         for name in args.scenarios.split(","):
             print(f"chaos: {name} ...", flush=True)
             scenario = asyncio.run(runs[name.strip()]())
@@ -389,7 +558,8 @@ def main(args: argparse.Namespace) -> int:
         stop_stack()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = f"serve-app chaos --scenarios {args.scenarios} --overload-s {args.overload_s:g}"
+    command = (f"serve-app chaos --scenarios {args.scenarios} --overload-s {args.overload_s:g} "
+               f"--slow-readers {args.slow_readers} --stall-s {args.stall_s:g}")
     (out / "chaos.json").write_text(json.dumps({"command": command, "scenarios": [
         asdict(s) for s in scenarios]}, indent=2))
     (out / "chaos.md").write_text(_markdown(scenarios, command))

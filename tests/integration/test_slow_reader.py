@@ -11,36 +11,16 @@ import json
 import socket
 import time
 
-import httpx
-import psutil
 import pytest
 
-from serve_app.config import APP_NAME
+from serve_app.launch import router_replica_port
 from tests.integration.conftest import STALL_S, admission_state, engine_load, wait_until
 
 pytestmark = pytest.mark.integration
 
 
-def _router_port() -> int:
-    """The HTTP port the suite's router replica listens on itself (HAProxy forwards to it)."""
-    title = f"ServeReplica:{APP_NAME}:Router"
-    for proc in psutil.process_iter(["cmdline"]):
-        if not any(title in arg for arg in proc.info["cmdline"] or []):
-            continue
-        for conn in proc.net_connections(kind="tcp"):
-            if conn.status != psutil.CONN_LISTEN:
-                continue
-            try:
-                if httpx.get(f"http://127.0.0.1:{conn.laddr.port}/health",
-                             timeout=2).status_code == 200:
-                    return conn.laddr.port
-            except httpx.HTTPError:
-                continue
-    raise AssertionError("no HTTP port of the router replica found")
-
-
 def test_a_client_that_stops_reading_is_cut_and_frees_its_request(stack, client):
-    port = _router_port()
+    port = router_replica_port()
     body = json.dumps({"model": stack["model"], "prompt": "hello", "max_tokens": 1500, "n": 16,
                        "ignore_eos": True, "stream": True}).encode()  # ~4 MB of SSE
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"

@@ -14,6 +14,10 @@ def test_chaos_config_two_small_replicas_short_queue_and_two_tenants():
     assert model.autoscaling.min_replicas == model.autoscaling.max_replicas == chaos.REPLICAS
     assert cfg.router.port == 8123 and cfg.router.max_queued_per_band == chaos.QUEUE
     assert cfg.router.admission.headroom == chaos.HEADROOM
+    # Slow readers are cut within the scenario's few minutes, and the limit is the caller's.
+    assert cfg.router.stream_stall_timeout_s == chaos.STALL_S
+    assert chaos.chaos_config(load_config(DEFAULT_CONFIG), 8123, 2.5)[0] \
+        .router.stream_stall_timeout_s == 2.5
     assert {t.name: t.priority for t in cfg.tenants} == chaos.TENANTS
     for tenant in cfg.tenants:  # only digests in the config; the keys stay with the driver
         assert tenant.api_key_sha256 == [key_digest(keys[tenant.name])]
