@@ -241,9 +241,10 @@ class RouterSettings(_Strict):
     )
     max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
     max_in_flight_per_model: int | None = Field(
-        None, ge=1, description="Upper bound on requests of one model in its engines at once, "
-        "over all router replicas (None: no bound beyond `admission`, which follows the "
-        "engines' live load). The rest wait in the router's fair queue.",
+        None, ge=1, description="Upper bound on sequences of one model in its engines at once "
+        "(a request counts its `n`), over all router replicas (None: no bound beyond "
+        "`admission`, which follows the engines' live load). The rest wait in the router's "
+        "fair queue.",
     )
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     queue_policy: Literal["fair", "fifo"] = Field(

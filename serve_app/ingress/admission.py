@@ -1,5 +1,10 @@
-"""Admission to one model's engines: at most ``capacity`` requests in flight from this router
+"""Admission to one model's engines: at most ``capacity`` sequences in flight from this router
 replica; the rest wait in the router, in a :class:`~serve_app.tenancy.fair_queue.FairQueue`.
+
+A request weighs its ``n``: vLLM runs one sequence per choice, each taking a place in the
+engine's batch, and the engines' load that sets ``capacity`` counts sequences. Counting a
+16-choice request as one place let a tenant hold 16 engine places per admission place (seen in
+``make chaos``: 4 such requests filled two 4-sequence engines, bench/RESULTS.md 9d).
 
 Holding the queue here rather than in vLLM's waiting queue is what makes priorities and fairness
 real: the engines only ever see requests the router chose to release. ``capacity`` is not a
@@ -31,6 +36,7 @@ class NoReplicaInTime(Exception):
 class _Waiter:
     tenant: str
     band: Priority
+    weight: int = 1
     future: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop()
                                         .create_future())
     since: float = field(default_factory=time.monotonic)
@@ -42,6 +48,7 @@ class AdmissionController:
     Single-threaded (the router's event loop): ``acquire`` by request handlers, ``release`` when a
     request ends, ``set_capacity`` and ``expire_waiting`` by the model's engine feed."""
 
+    # The admission state is in sequences (a request weighs its `n`); per tenant, in requests.
     def __init__(self, capacity: int, max_queued: int,
                  on_change: Callable[[AdmissionController], None] | None = None,
                  policy: str = "fair", first_request_slots: int = 0) -> None:
@@ -76,23 +83,29 @@ class AdmissionController:
     def queued(self, band: Priority | None = None) -> int:
         return self.queue.waiting(band)
 
-    async def acquire(self, tenant: str, band: Priority) -> int:
-        """Return once the request may go to an engine, with its engine priority (see
+    def fits(self, weight: int) -> bool:
+        """Whether a request of ``weight`` sequences may start now. One that alone exceeds the
+        capacity starts when nothing else is in flight (never starved)."""
+        return self.in_flight + weight <= self.capacity or self.in_flight == 0
+
+    async def acquire(self, tenant: str, band: Priority, weight: int = 1) -> int:
+        """Return once the request (``weight``: its sequences, the request's ``n``) may go to
+        an engine, with its engine priority (see
         :func:`~serve_app.tenancy.fair_queue.engine_priority`); the caller must
-        :meth:`release` then.
+        :meth:`release` it with the same weight then.
         Raises :class:`QueueFull` when ``band`` already holds ``max_queued`` waiting requests,
         :class:`NoReplicaInTime` from :meth:`expire_waiting`. Cancellation while waiting (client
         gone) leaves nothing behind."""
-        if self.in_flight < self.capacity and not len(self.queue):
-            return self._grant(tenant, band)
+        if self.fits(weight) and not len(self.queue):
+            return self._grant(tenant, band, weight)
         if (not self.tenant_in_flight.get(tenant)
                 and len(self.overdraft) < self.first_request_slots
                 and not any(self.queue.waiting(b) for b in BANDS[:BANDS.index(band)])):
             self.overdraft.add(tenant)
-            return self._grant(tenant, band)
+            return self._grant(tenant, band, weight)
         if self.queue.waiting(band) >= self.max_queued:
             raise QueueFull(band)
-        waiter = _Waiter(tenant, band)
+        waiter = _Waiter(tenant, band, weight)
         self.queue.push(waiter, tenant, band)
         self.blocked.set()
         self._on_change(self)
@@ -105,19 +118,20 @@ class AdmissionController:
                 self._on_change(self)
             elif waiter.future.done() and not waiter.future.cancelled() \
                     and waiter.future.exception() is None:
-                self.release(tenant, 0)  # admitted as we were cancelled: give the slot back
+                self.release(tenant, 0, weight)  # admitted as we were cancelled: give it back
             raise
 
-    def _grant(self, tenant: str, band: Priority) -> int:
+    def _grant(self, tenant: str, band: Priority, weight: int) -> int:
         """Count a released request; its engine priority reflects what its tenant had out."""
         held = self.tenant_in_flight.get(tenant, 0)
         self.tenant_in_flight[tenant] = held + 1
-        self.in_flight += 1
+        self.in_flight += weight
         return engine_priority(band, held) if self._prioritize else 0
 
-    def release(self, tenant: str, service: float) -> None:
-        """One admitted request ended; charge its tenant and admit the next waiters."""
-        self.in_flight -= 1
+    def release(self, tenant: str, service: float, weight: int = 1) -> None:
+        """One admitted request of ``weight`` sequences ended; charge its tenant and admit the
+        next waiters."""
+        self.in_flight -= weight
         self.overdraft.discard(tenant)
         held = self.tenant_in_flight.get(tenant, 1) - 1
         if held > 0:
@@ -151,15 +165,15 @@ class AdmissionController:
         return expired
 
     def _admit(self) -> None:
+        """Admit waiters in the queue's order while the next one fits (a large request at the
+        head holds the smaller ones behind it back, rather than waiting for ever)."""
         admitted = False
-        while self.in_flight < self.capacity:
-            waiter = self.queue.pop()
-            if waiter is None:
-                break
+        while (waiter := self.queue.peek()) is not None and self.fits(waiter.weight):
+            self.queue.pop()
             admitted = True
             if waiter.future.done():  # cancelled before we got to it
                 continue
-            waiter.future.set_result(self._grant(waiter.tenant, waiter.band))
+            waiter.future.set_result(self._grant(waiter.tenant, waiter.band, waiter.weight))
         if not len(self.queue):
             self.blocked.clear()
         if admitted:
@@ -170,21 +184,23 @@ class Slot:
     """A request's hold on an admission slot; :meth:`release` is safe to call on every exit
     path (it releases once, and only what was acquired)."""
 
-    __slots__ = ("_controller", "_tenant", "priority")
+    __slots__ = ("_controller", "_tenant", "_weight", "priority")
 
     def __init__(self) -> None:
         self._controller: AdmissionController | None = None
         self._tenant = ""
+        self._weight = 1
         self.priority = 0
 
-    async def acquire(self, controller: AdmissionController, tenant: str, band: Priority) -> None:
-        self.priority = await controller.acquire(tenant, band)
-        self._controller, self._tenant = controller, tenant
+    async def acquire(self, controller: AdmissionController, tenant: str, band: Priority,
+                      weight: int = 1) -> None:
+        self.priority = await controller.acquire(tenant, band, weight)
+        self._controller, self._tenant, self._weight = controller, tenant, weight
 
     def release(self, service: float) -> None:
         controller, self._controller = self._controller, None
         if controller is not None:
-            controller.release(self._tenant, service)
+            controller.release(self._tenant, service, self._weight)
 
 
 __all__ = ["AdmissionController", "NoReplicaInTime", "QueueFull", "Slot"]

@@ -493,7 +493,7 @@ class OpenAIRouter:
         A streamed request's later chunks come through the model's output channels (when
         ``router.output_channels``): the ticket says where."""
         try:
-            await slot.acquire(self.admission[req.model], tenant.name, tenant.priority)
+            await slot.acquire(self.admission[req.model], tenant.name, tenant.priority, req.n)
         except QueueFull:
             self.gate.refund(tenant)  # refused: the request costs no quota
             raise OpenAIError(429, f"{req.model} is at capacity and the {tenant.priority}-"

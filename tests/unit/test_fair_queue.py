@@ -191,3 +191,49 @@ def test_admission_controller_takes_the_policy_by_name():
         await asyncio.gather(*tasks)
         assert order == ["a1", "h"]  # fifo ignores the band
     asyncio.run(main())
+
+
+def test_a_request_weighs_its_choices_regression_n16_held_16_engine_places_per_admission_place():
+    """vLLM runs one sequence per choice and the engines' load (which sets the capacity)
+    counts sequences: a request of n=16 takes 16 places, not 1 (make chaos: four such requests
+    filled two 4-sequence engines while the router counted 4 of 12 places taken)."""
+    async def main():
+        ac = AdmissionController(capacity=12, max_queued=10)
+        await ac.acquire("a", "normal", weight=8)
+        assert ac.in_flight == 8
+        big = asyncio.create_task(ac.acquire("a", "normal", weight=8))  # 16 > 12: waits
+        await asyncio.sleep(0)
+        assert not big.done() and ac.queued() == 1
+        small = asyncio.create_task(ac.acquire("b", "normal"))  # behind it, in fair order
+        await asyncio.sleep(0)
+        assert not small.done()
+        ac.release("a", 10, weight=8)  # the first ends: the big one fits, then the small one
+        await asyncio.gather(big, small)
+        assert ac.in_flight == 9 and ac.queued() == 0
+    asyncio.run(main())
+
+
+def test_a_request_larger_than_the_capacity_starts_alone_instead_of_never():
+    async def main():
+        ac = AdmissionController(capacity=4, max_queued=10)
+        await ac.acquire("a", "normal", weight=16)  # nothing in flight: it goes
+        assert ac.in_flight == 16
+        t = asyncio.create_task(ac.acquire("b", "normal", weight=16))
+        await asyncio.sleep(0)
+        assert not t.done()
+        ac.release("a", 1, weight=16)
+        await t
+        assert ac.in_flight == 16
+    asyncio.run(main())
+
+
+def test_peek_names_what_pop_returns_without_taking_it():
+    from serve_app.tenancy.fair_queue import FifoQueue
+
+    for q in (FairQueue(), FifoQueue()):
+        assert q.peek() is None
+        q.push("a0", "a")
+        q.push("h0", "b", "high")
+        assert q.peek() == "h0" if isinstance(q, FairQueue) else q.peek() == "a0"
+        first = q.peek()
+        assert q.pop() == first and len(q) == 1
