@@ -14,7 +14,7 @@ batch and two tenants, through :func:`serve_app.launch.start_stack`, and runs:
    ``openai`` client does) for a while; bound: the excess gets
    429/503 with Retry-After in under 100 ms at p99, no 500s, no replica restarts, and a probe's
    latency is back to its baseline within 30 s.
-4. **slow readers**: streams (n=16 choices of 1,500 tokens, a few MB of SSE) whose clients read
+4. **slow readers**: 2 streams (n=16 choices of 2,000 tokens, ~5 MB of SSE) whose clients read
    one byte a second through a 2 KB receive window, on the router replica's own port (through
    HAProxy a stream this size fits in its buffers and the kernel's, so the router never waits),
    beside another tenant's ordinary streams; bound: every slow stream is cut by the stall watch
@@ -327,8 +327,12 @@ async def overload(t: Target, factor: int = 5, duration_s: float = 60.0,
         "replica_changes": "none", "recovered_after_s": f"<= {recovery_bound_s:g}"})
 
 
-SLOW_BODY = {"prompt": "hello", "max_tokens": 1500, "n": 16, "ignore_eos": True,
-             "stream": True}  # ~4 MB of SSE: more than the ~2 MB a socket buffers
+# ~5.3 MB of SSE. The router's socket to the client takes 2.2 MB before a write waits, but
+# Linux grows a socket's send buffer up to 4 MB (tcp_wmem): a 4 MB stream (1,500 tokens) once
+# fit whole, and that reader was never cut (its request ended in the engine, its bytes waited
+# in the kernel).
+SLOW_BODY = {"prompt": "hello", "max_tokens": 2000, "n": 16, "ignore_eos": True,
+             "stream": True}
 
 
 async def _slow_reader(t: Target, port: int, tenant: str, read: dict[socket.socket, bytes],
@@ -356,11 +360,13 @@ async def _slow_reader(t: Target, port: int, tenant: str, read: dict[socket.sock
             return
 
 
-async def _fast_reader(session: aiohttp.ClientSession, t: Target, tenant: str) -> bool:
+async def _fast_reader(session: aiohttp.ClientSession, t: Target, tenant: str,
+                       timeout_s: float) -> bool:
     """The slow readers' request read at full speed; True if it completed."""
     body = {"model": t.model, **SLOW_BODY}
     async with session.post(f"{t.base}/v1/completions", json=body,
-                            headers={"Authorization": f"Bearer {t.keys[tenant]}"}) as r:
+                            headers={"Authorization": f"Bearer {t.keys[tenant]}"},
+                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
         data = await r.read()
     return r.status == 200 and b"data: [DONE]" in data[-200:]
 
@@ -380,12 +386,13 @@ def _drain(sock: socket.socket) -> bytes:
     return received
 
 
-async def slow_readers(t: Target, readers: int = 4, stall_s: float = STALL_S,
-                       bound_s: float = 300.0) -> Scenario:
+async def slow_readers(t: Target, readers: int = 2, stall_s: float = STALL_S,
+                       bound_s: float = 600.0) -> Scenario:
     """Slow readers beside another tenant's streams, against a control: the same requests read
-    at full speed. On the chaos stack's 4-sequence engines a 16-choice request takes every
-    engine slot it can until it ends, so the other tenant waits for slots in both phases; what
-    the slow readers may add is their hold until the stall limit cuts them."""
+    at full speed. A 16-choice request weighs 16 admission places, more than the chaos stack's
+    12, so the slow tenant's requests run one at a time (on one engine replica; the other
+    tenant's requests get the other); what the slow readers may add is their hold until the
+    stall limit cuts them."""
     from serve_app.bench.client import Target as BenchTarget
     from serve_app.bench.client import send_one
     from serve_app.bench.stats import RequestRecord
@@ -429,7 +436,8 @@ async def slow_readers(t: Target, readers: int = 4, stall_s: float = STALL_S,
         done = asyncio.Event()
         beside_fast_task = asyncio.create_task(streams(session, done, None))
         t0 = time.monotonic()
-        fast_ok = await asyncio.gather(*[_fast_reader(session, t, slow) for _ in range(readers)])
+        fast_ok = await asyncio.gather(*[_fast_reader(session, t, slow, bound_s)
+                                         for _ in range(readers)])
         fast_s = round(time.monotonic() - t0, 1)
         done.set()
         beside_fast = await beside_fast_task
@@ -525,7 +533,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenarios", default="storm,kill,overload,slow",
                    help="comma-separated subset of storm, kill, overload, slow")
     p.add_argument("--overload-s", type=float, default=60.0, help="overload duration")
-    p.add_argument("--slow-readers", type=int, default=4, help="slow-reader streams")
+    p.add_argument("--slow-readers", type=int, default=2, help="slow-reader streams")
     p.add_argument("--stall-s", type=float, default=STALL_S,
                    help="router.stream_stall_timeout_s of the chaos stack")
 

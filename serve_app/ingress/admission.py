@@ -84,9 +84,12 @@ class AdmissionController:
         return self.queue.waiting(band)
 
     def fits(self, weight: int) -> bool:
-        """Whether a request of ``weight`` sequences may start now. One that alone exceeds the
-        capacity starts when nothing else is in flight (never starved)."""
-        return self.in_flight + weight <= self.capacity or self.in_flight == 0
+        """Whether a request of ``weight`` sequences may start now: while fewer than
+        ``capacity`` sequences are out, whatever its weight, so in-flight may pass the capacity
+        by less than the largest ``n`` (16 by default). Requiring room for the whole weight
+        starved large requests: smaller ones kept the count above ``capacity - n`` (seen in
+        ``make chaos``: a 16-choice request waited minutes behind another tenant's streams)."""
+        return self.in_flight < self.capacity
 
     async def acquire(self, tenant: str, band: Priority, weight: int = 1) -> int:
         """Return once the request (``weight``: its sequences, the request's ``n``) may go to
@@ -165,8 +168,7 @@ class AdmissionController:
         return expired
 
     def _admit(self) -> None:
-        """Admit waiters in the queue's order while the next one fits (a large request at the
-        head holds the smaller ones behind it back, rather than waiting for ever)."""
+        """Admit waiters in the queue's order while sequences are below the capacity."""
         admitted = False
         while (waiter := self.queue.peek()) is not None and self.fits(waiter.weight):
             self.queue.pop()

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.integration
 
 def test_a_client_that_stops_reading_is_cut_and_frees_its_request(stack, client):
     port = router_replica_port()
-    body = json.dumps({"model": stack["model"], "prompt": "hello", "max_tokens": 1500, "n": 16,
-                       "ignore_eos": True, "stream": True}).encode()  # ~4 MB of SSE
+    body = json.dumps({"model": stack["model"], "prompt": "hello", "max_tokens": 2000, "n": 16,
+                       "ignore_eos": True, "stream": True}).encode()  # ~5.3 MB of SSE: past the 4 MB a socket can grow to
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             f"Authorization: Bearer {stack['key']}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()

@@ -200,16 +200,32 @@ def test_a_request_weighs_its_choices_regression_n16_held_16_engine_places_per_a
     async def main():
         ac = AdmissionController(capacity=12, max_queued=10)
         await ac.acquire("a", "normal", weight=8)
-        assert ac.in_flight == 8
-        big = asyncio.create_task(ac.acquire("a", "normal", weight=8))  # 16 > 12: waits
+        await ac.acquire("a", "normal", weight=8)  # 8 < 12 out: it starts, 16 are out
+        assert ac.in_flight == 16
+        small = asyncio.create_task(ac.acquire("b", "normal"))
         await asyncio.sleep(0)
-        assert not big.done() and ac.queued() == 1
-        small = asyncio.create_task(ac.acquire("b", "normal"))  # behind it, in fair order
+        assert not small.done() and ac.queued() == 1  # counted as 2 requests, it would start
+        ac.release("a", 10, weight=8)  # 8 out: below the capacity again
+        await small
+        assert ac.in_flight == 9 and ac.queued() == 0
+    asyncio.run(main())
+
+
+def test_a_large_request_is_not_starved_by_small_ones():
+    """Small requests keep a few places busy all the time; a request of more places than are
+    left still starts as soon as anything is free (its weight only counts once it runs)."""
+    async def main():
+        ac = AdmissionController(capacity=12, max_queued=10)
+        for _ in range(11):
+            await ac.acquire("b", "normal")
+        big = asyncio.create_task(ac.acquire("a", "normal", weight=16))
+        await asyncio.sleep(0)
+        assert big.done() and ac.in_flight == 27  # 11 < 12: it started
+        small = asyncio.create_task(ac.acquire("b", "normal"))
         await asyncio.sleep(0)
         assert not small.done()
-        ac.release("a", 10, weight=8)  # the first ends: the big one fits, then the small one
-        await asyncio.gather(big, small)
-        assert ac.in_flight == 9 and ac.queued() == 0
+        ac.release("a", 1, weight=16)  # 11 out
+        await small
     asyncio.run(main())
 
 
