@@ -27,9 +27,6 @@ from serve_app.bench.client import Target, send_one
 from serve_app.bench.stats import RequestRecord, paired_difference, percentile
 from serve_app.bench.workload import Tenant, iter_plan
 
-OK_STATUS = 200
-
-
 async def run(args: argparse.Namespace) -> dict:
     targets = {"a": Target(args.a, args.model), "b": Target(args.b, args.model)}
     tenant = Tenant("default", args.api_key, 1.0)

@@ -4,9 +4,10 @@ stream once one of its writes has waited that long; the tenant metrics count it 
 
 The bytes a response needs before any write of the router waits are the kernel's and HAProxy's
 buffers: on loopback through HAProxy about 4 MB per connection (bench/RESULTS.md section 9c), so
-point ``--port`` at the router replica's own port to see the cut with outputs of a few MB.
+point ``--port`` at the router replica's own port to see the cut with outputs past 4 MB (a
+socket's send buffer grows to 4 MB: serve_app/bench/slow_client.py).
 
-usage: python bench/slow_reader.py --port PORT [--streams 2] [--n 16] [--max-tokens 1500]
+usage: python bench/slow_reader.py --port PORT [--streams 2] [--n 16] [--max-tokens 2000]
                                   [--model tiny-llama] [--key KEY] [--hold-s 120]
 """
 
@@ -14,24 +15,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import socket
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve_app.bench.slow_client import SLOW_BODY, open_slow_stream  # noqa: E402
 
 
 async def slow_stream(a: argparse.Namespace, i: int) -> str:
     """One slow reader; returns how it ended as the client saw it."""
-    loop = asyncio.get_running_loop()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connect: small window
-    sock.setblocking(False)
-    await loop.sock_connect(sock, (a.host, a.port))
-    body = json.dumps({"model": a.model, "prompt": "hello", "max_tokens": a.max_tokens,
-                       "n": a.n, "ignore_eos": True, "stream": True}).encode()
-    auth = f"Authorization: Bearer {a.key}\r\n" if a.key else ""
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {a.host}\r\n{auth}"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-    await loop.sock_sendall(sock, head.encode() + body)
+    body = {"model": a.model, "prompt": "hello", "max_tokens": a.max_tokens, "n": a.n,
+            "ignore_eos": True, "stream": True}
+    sock = await open_slow_stream(a.host, a.port, body, a.key)
     t0, got = time.monotonic(), 0
     try:
         while time.monotonic() - t0 < a.hold_s:
@@ -58,8 +55,9 @@ if __name__ == "__main__":
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--streams", type=int, default=2)
-    p.add_argument("--n", type=int, default=16, help="choices per request (more bytes per token)")
-    p.add_argument("--max-tokens", type=int, default=1500)
+    p.add_argument("--n", type=int, default=SLOW_BODY["n"],
+                   help="choices per request (more bytes per token)")
+    p.add_argument("--max-tokens", type=int, default=SLOW_BODY["max_tokens"])
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--key", default=None)
     p.add_argument("--read-every", type=float, default=1.0)

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from serve_app.bench.slow_client import SLOW_BODY, open_slow_stream
 from serve_app.bench.stats import percentile
 from serve_app.config import APP_NAME, DEFAULT_CONFIG, AppConfig, TenantSettings, load_config
 
@@ -328,29 +329,13 @@ async def overload(t: Target, factor: int = 5, duration_s: float = 60.0,
         "replica_changes": "none", "recovered_after_s": f"<= {recovery_bound_s:g}"})
 
 
-# ~5.3 MB of SSE. The router's socket to the client takes 2.2 MB before a write waits, but
-# Linux grows a socket's send buffer up to 4 MB (tcp_wmem): a 4 MB stream (1,500 tokens) once
-# fit whole, and that reader was never cut (its request ended in the engine, its bytes waited
-# in the kernel).
-SLOW_BODY = {"prompt": "hello", "max_tokens": 2000, "n": 16, "ignore_eos": True,
-             "stream": True}
-
-
 async def _slow_reader(t: Target, port: int, tenant: str, read: dict[socket.socket, bytes],
                        read_every_s: float = 1.0) -> None:
-    """One stream whose client reads a byte every ``read_every_s`` through a 2 KB window, on
+    """One stream whose client reads a byte every ``read_every_s`` through a small window, on
     the router replica's own ``port``, until cancelled; ``read`` keeps what it got."""
-    loop = asyncio.get_running_loop()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connect: small window
-    sock.setblocking(False)
+    sock = await open_slow_stream("127.0.0.1", port, {"model": t.model, **SLOW_BODY},
+                                  t.keys[tenant])
     read[sock] = b""
-    await loop.sock_connect(sock, ("127.0.0.1", port))
-    body = json.dumps({"model": t.model, **SLOW_BODY}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Authorization: Bearer {t.keys[tenant]}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    await loop.sock_sendall(sock, head + body)
     while True:
         await asyncio.sleep(read_every_s)
         try:

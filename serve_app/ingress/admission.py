@@ -43,12 +43,13 @@ class _Waiter:
 
 
 class AdmissionController:
-    """In-flight limit and fair queue of one model in one router replica.
+    """In-flight limit and fair queue of one model in one router replica. ``in_flight`` and
+    ``capacity`` count sequences (a request weighs its ``n``); ``tenant_in_flight`` counts
+    requests.
 
     Single-threaded (the router's event loop): ``acquire`` by request handlers, ``release`` when a
     request ends, ``set_capacity`` and ``expire_waiting`` by the model's engine feed."""
 
-    # The admission state is in sequences (a request weighs its `n`); per tenant, in requests.
     def __init__(self, capacity: int, max_queued: int,
                  on_change: Callable[[AdmissionController], None] | None = None,
                  policy: str = "fair", first_request_slots: int = 0) -> None:
@@ -83,9 +84,9 @@ class AdmissionController:
     def queued(self, band: Priority | None = None) -> int:
         return self.queue.waiting(band)
 
-    def fits(self, weight: int) -> bool:
-        """Whether a request of ``weight`` sequences may start now: while fewer than
-        ``capacity`` sequences are out, whatever its weight, so in-flight may pass the capacity
+    def has_room(self) -> bool:
+        """Whether a request may start now: while fewer than ``capacity`` sequences are out,
+        whatever its weight, so in-flight may pass the capacity
         by less than the largest ``n`` (16 by default). Requiring room for the whole weight
         starved large requests: smaller ones kept the count above ``capacity - n`` (seen in
         ``make chaos``: a 16-choice request waited minutes behind another tenant's streams)."""
@@ -99,7 +100,7 @@ class AdmissionController:
         Raises :class:`QueueFull` when ``band`` already holds ``max_queued`` waiting requests,
         :class:`NoReplicaInTime` from :meth:`expire_waiting`. Cancellation while waiting (client
         gone) leaves nothing behind."""
-        if self.fits(weight) and not len(self.queue):
+        if self.has_room() and not len(self.queue):
             return self._grant(tenant, band, weight)
         if (not self.tenant_in_flight.get(tenant)
                 and len(self.overdraft) < self.first_request_slots
@@ -170,8 +171,7 @@ class AdmissionController:
     def _admit(self) -> None:
         """Admit waiters in the queue's order while sequences are below the capacity."""
         admitted = False
-        while (waiter := self.queue.peek()) is not None and self.fits(waiter.weight):
-            self.queue.pop()
+        while self.has_room() and (waiter := self.queue.pop()) is not None:
             admitted = True
             if waiter.future.done():  # cancelled before we got to it
                 continue

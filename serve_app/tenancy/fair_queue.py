@@ -63,19 +63,6 @@ class FairQueue(Generic[T]):
         tenants[tenant].append(item)
         self._where[item] = (band, tenant)
 
-    def peek(self) -> T | None:
-        """The item :meth:`pop` would return now, left waiting."""
-        for band in BANDS:
-            tenants = self._waiting[band]
-            if tenants:
-                return tenants[self._next_tenant(band)][0]
-        return None
-
-    def _next_tenant(self, band: Priority) -> str:
-        """The least-served tenant waiting in ``band`` (ties: the one waiting longest)."""
-        tenants = self._waiting[band]
-        return min(tenants, key=lambda t: self._service.get(t, 0.0))  # stable: FIFO ties
-
     def pop(self) -> T | None:
         """The next item: highest band first, then the least-served tenant (ties: the tenant
         that has waited longest in the band), then arrival order."""
@@ -83,7 +70,7 @@ class FairQueue(Generic[T]):
             tenants = self._waiting[band]
             if not tenants:
                 continue
-            tenant = self._next_tenant(band)
+            tenant = min(tenants, key=lambda t: self._service.get(t, 0.0))  # stable: FIFO ties
             self._clock[band] = max(self._clock[band], self._service.get(tenant, 0.0))
             q = tenants[tenant]
             item = q.popleft()
@@ -139,9 +126,6 @@ class FifoQueue(Generic[T]):
 
     def push(self, item: T, tenant: str, band: Priority = "normal") -> None:
         self._items[item] = band
-
-    def peek(self) -> T | None:
-        return next(iter(self._items), None)
 
     def pop(self) -> T | None:
         return self._items.popitem(last=False)[0] if self._items else None

@@ -7,12 +7,11 @@ would never wait; on the router's port about 2 MB fill the socket, then a write 
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 
 import pytest
 
+from serve_app.bench.slow_client import SLOW_BODY, request_bytes, small_window_socket
 from serve_app.launch import router_replica_port
 from tests.integration.conftest import STALL_S, admission_state, engine_load, wait_until
 
@@ -21,16 +20,12 @@ pytestmark = pytest.mark.integration
 
 def test_a_client_that_stops_reading_is_cut_and_frees_its_request(stack, client):
     port = router_replica_port()
-    body = json.dumps({"model": stack["model"], "prompt": "hello", "max_tokens": 2000, "n": 16,
-                       "ignore_eos": True, "stream": True}).encode()  # ~5.3 MB of SSE: past the 4 MB a socket can grow to
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Authorization: Bearer {stack['key']}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connect: small window
+    sock = small_window_socket()
     sock.connect(("127.0.0.1", port))
     try:
-        sock.sendall(head + body)
+        # ~5.3 MB of SSE: past the 4 MB a socket's send buffer can grow to.
+        sock.sendall(request_bytes("127.0.0.1", {"model": stack["model"], **SLOW_BODY},
+                                   stack["key"]))
         wait_until(lambda: admission_state(stack)["in_flight"] >= 1, 30)
         t0 = time.monotonic()
         # Nothing is read: the socket fills, a write waits, the stall watch cuts the stream.

@@ -241,15 +241,3 @@ def test_a_request_larger_than_the_capacity_starts_alone_instead_of_never():
         await t
         assert ac.in_flight == 16
     asyncio.run(main())
-
-
-def test_peek_names_what_pop_returns_without_taking_it():
-    from serve_app.tenancy.fair_queue import FifoQueue
-
-    for q in (FairQueue(), FifoQueue()):
-        assert q.peek() is None
-        q.push("a0", "a")
-        q.push("h0", "b", "high")
-        assert q.peek() == "h0" if isinstance(q, FairQueue) else q.peek() == "a0"
-        first = q.peek()
-        assert q.pop() == first and len(q) == 1
