@@ -102,3 +102,132 @@ def test_a_stream_whose_client_takes_nothing_is_cut_and_released(spec):
             await reading
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_stream_writes_in_the_calling_task_regression_starlette_task_group_delayed_first_byte(spec):
+    """Starlette streams a body in a second task of an anyio task group for uvicorn (ASGI spec
+    2.3): about 0.9 ms between the router's first chunk and its first write at c=1. The body must
+    run in the task that calls the response."""
+    caller, in_body = [], []
+
+    async def body():
+        in_body.append(asyncio.current_task())
+        yield b"data: x\n\n"
+
+    async def send(message):
+        pass
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    async def main():
+        caller.append(asyncio.current_task())
+        resp = GuardedStreamingResponse(body(), on_abandon=lambda status: None)
+        await resp({**_scope(), "asgi": {"spec_version": spec}}, receive, send)
+
+    asyncio.run(main())
+    assert in_body == caller
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_a_client_that_leaves_mid_stream_stops_the_body_while_it_waits_for_the_engine(spec):
+    """uvicorn's writes to a closed connection return silently: the disconnect must stop a body
+    that is waiting for its next chunk, at once, and release what the request held (499)."""
+    closed, calls, sent = [], [], []
+
+    async def main():
+        engine_waits = asyncio.Event()
+        client_leaves = asyncio.Event()
+
+        async def body():
+            try:
+                yield b"data: 0\n\n"
+                engine_waits.set()
+                await asyncio.Event().wait()  # the engine has nothing yet
+                yield b"data: 1\n\n"
+            finally:
+                closed.append(True)
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            await client_leaves.wait()
+            return {"type": "http.disconnect"}
+
+        resp = GuardedStreamingResponse(body(), on_abandon=calls.append)
+        call = asyncio.ensure_future(resp({**_scope(), "asgi": {"spec_version": spec}}, receive, send))
+        await engine_waits.wait()
+        client_leaves.set()
+        await asyncio.wait_for(call, 2)  # returns (the client is gone), raises nothing
+
+    asyncio.run(main())
+    assert closed == [True] and calls == [499]
+    assert [m.get("body") for m in sent if m["type"] == "http.response.body"] == [b"data: 0\n\n"]
+
+
+def test_the_disconnect_watch_handed_in_is_used_and_ended():
+    """The router hands in the future that watched the client while the request was queued: a
+    disconnect it reports stops the stream, and the response ends the watch when it is done."""
+
+    async def main():
+        async def body():
+            yield b"a"
+            await asyncio.Event().wait()
+            yield b"b"
+
+        async def send(message):
+            pass
+
+        async def receive():  # never used: the handed-in watch reports the disconnect
+            raise AssertionError("receive() called")
+
+        gone = asyncio.get_running_loop().create_future()
+        calls: list[int] = []
+        resp = GuardedStreamingResponse(body(), on_abandon=calls.append, client_gone=gone)
+        call = asyncio.ensure_future(resp(_scope(), receive, send))
+        await asyncio.sleep(0)
+        gone.set_result(None)
+        await asyncio.wait_for(call, 2)
+        assert calls == [499]
+
+        watch = asyncio.get_running_loop().create_future()
+
+        async def short():
+            yield b"a"
+
+        await GuardedStreamingResponse(short(), on_abandon=calls.append, client_gone=watch)(
+            _scope(), receive, send)
+        assert watch.cancelled()  # a finished response leaves no watch behind
+
+    asyncio.run(main())
+
+
+def test_a_cancellation_from_outside_still_propagates():
+    """Only the client's leaving is swallowed; a shutdown that cancels the response is not."""
+
+    async def main():
+        started = asyncio.Event()
+
+        async def body():
+            started.set()
+            await asyncio.Event().wait()
+            yield b"never"
+
+        async def send(message):
+            pass
+
+        async def receive():
+            await asyncio.Event().wait()
+
+        calls: list[int] = []
+        call = asyncio.ensure_future(GuardedStreamingResponse(body(), on_abandon=calls.append)(
+            _scope(), receive, send))
+        await started.wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert calls == [499]
+
+    asyncio.run(main())
