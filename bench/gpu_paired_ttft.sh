@@ -6,7 +6,7 @@
 # is 2 ms); a pair shares its moment.
 #
 # usage: bench/gpu_paired_ttft.sh "IN/OUT/PAIRS ..." [CONFIG]   e.g. "1024/128/64 128/1024/32"
-#   env: UTIL=0.42 (each server's share of GPU memory), WARMUP=4, BUDGET_S=540 (a shape
+#   env: UTIL=0.42 (each server's share of GPU memory), WARMUP=4, GAP_MS=50, BUDGET_S=540 (a shape
 #   starts no new pair once the command has run this long, less the time to stop the servers)
 # The servers start once; the shapes run one after the other. $OUT gets per shape
 # paired-IN-OUT.md (the table) and paired-IN-OUT.json (every request), and the logs.
@@ -73,7 +73,8 @@ for shape in $SHAPES; do
   echo "== $shape (at most ${LEFT}s)"
   $PY bench/paired_ttft.py --a http://127.0.0.1:8100 --b http://127.0.0.1:8000 \
     --model "$MODEL" --input-len "$IN" --output-len "$OUTLEN" --num "$PAIRS" \
-    --warmup "${WARMUP:-4}" --max-seconds "$LEFT" --token-range "${TOKEN_RANGE:-1000-20000}" \
+    --warmup "${WARMUP:-4}" --gap-ms "${GAP_MS:-50}" --a-metrics http://127.0.0.1:8100/metrics \
+    --max-seconds "$LEFT" --token-range "${TOKEN_RANGE:-1000-20000}" \
     --out "$DEST/paired-${IN}-${OUTLEN}.json" | tee "$DEST/paired-${IN}-${OUTLEN}.md"
 done
 finish

@@ -3,8 +3,9 @@ replica side): one reader per engine replica this router has streams on, which h
 batched chunk to the stream it belongs to.
 
 Per streamed request: :meth:`ModelChannels.register` before the request is sent (a chunk can
-arrive before the first chunk's reply), :meth:`ModelChannels.attach` once the first chunk names
-the replica, :func:`chunks_after_first` to read the rest, :meth:`ModelChannels.release` when the
+arrive before the first chunk's reply), :meth:`ModelChannels.attach` once the first chunk named
+the replica and went out to the client (opening a channel is a Serve call: not on the TTFT path),
+:func:`chunks_after_first` to read the rest, :meth:`ModelChannels.release` when the
 response ends, however it ends.
 """
 

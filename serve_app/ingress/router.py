@@ -494,7 +494,8 @@ class OpenAIRouter:
                     self._end(tenant, req.model, status, builder, slot)
 
             return GuardedStreamingResponse(
-                self._sse(gen, first, ticket, builder, req.include_usage, end),
+                self._sse(gen, first, ticket, self.channels.get(req.model), builder,
+                          req.include_usage, end),
                 on_abandon=end, stall_watch=self._stall_watch, client_gone=gone,
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
@@ -549,8 +550,6 @@ class OpenAIRouter:
         gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
             first = await self._first_chunk(gen)
-            if channels is not None and ticket is not None and not first.finished:
-                channels.attach(ticket, first.replica)
             if self.settings.server_timing:  # the router's phases beside the replica's
                 first.timing = {**(first.timing or {}),
                                 "queue": round((admitted - arrived) * 1000, 2),
@@ -590,7 +589,8 @@ class OpenAIRouter:
                               headers={"Retry-After": "1"}) from None
 
     async def _sse(self, gen: DeploymentResponseGenerator, first: GenerationChunk,
-                   ticket: ChannelTicket | None, builder: ResponseBuilder, include_usage: bool,
+                   ticket: ChannelTicket | None, channels: ModelChannels | None,
+                   builder: ResponseBuilder, include_usage: bool,
                    end: Callable[[int], None]) -> AsyncIterator[bytes]:
         """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
         The tenant is charged what was generated, however the stream ended."""
@@ -598,7 +598,11 @@ class OpenAIRouter:
         try:
             yield builder.events(first)
             if not first.finished:
-                if ticket is not None:
+                if ticket is not None and channels is not None:
+                    # Only once the first event is out: after a replica's idle close this
+                    # opens a channel (a Serve call), which sat on the request's TTFT; the
+                    # chunks wait in the replica's outbox meanwhile.
+                    channels.attach(ticket, first.replica)
                     async for chunk in chunks_after_first(gen, ticket):
                         yield builder.events(chunk)
                 else:

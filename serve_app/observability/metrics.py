@@ -117,3 +117,12 @@ def metric(name: str) -> str:
     if name not in METRICS:
         raise KeyError(f"{name} is not in serve_app.observability.metrics.METRICS")
     return name
+
+
+def vllm_native_name(name: str) -> str:
+    """The name bare vLLM's own ``/metrics`` gives a vLLM metric of the table
+    (``ray_vllm_x`` -> ``vllm:x``): benchmarks read it from a bare vLLM server beside the stack."""
+    metric(name)
+    if not name.startswith("ray_vllm_"):
+        raise ValueError(f"{name} is not a vLLM engine metric")
+    return "vllm:" + name.removeprefix("ray_vllm_")
