@@ -117,8 +117,9 @@ class GenerationChunk:
     finished: bool
     # On the first chunk only, from engines that know them: where the request's time to this
     # chunk went on the replica side, in milliseconds by phase (see
-    # :data:`serve_app.engine.timing.PHASES`). The router can pass them on in a Server-Timing
-    # header (``router.server_timing``).
+    # :data:`serve_app.engine.timing.PHASES`), and two clock readings of the replica the router
+    # turns into its hop phases. The router can pass them on in a Server-Timing header
+    # (``router.server_timing``).
     timing: dict[str, float] | None = None
     # On the first chunk only: the Serve id of the LLMServer replica serving the request (the
     # router opens its output channel to that replica).

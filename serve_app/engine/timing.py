@@ -13,13 +13,20 @@ Phases, in order (milliseconds):
 * ``queue``: waiting in the router's fair queue for an admission slot;
 * ``dispatch``: admission -> the first chunk back at the router (everything below, plus the hop
   router -> replica -> router through Ray Serve);
+* ``hop_in``: the router's call -> the replica's engine call entered (Serve's routing, the gRPC
+  request, the replica's request wrapper);
 * ``replica``: the replica's ``generate`` call -> the engine's first output there; made of
 * ``tokenize``: rendering and encoding the prompt on the replica;
 * ``to_engine``: handing the request to vLLM's engine core until its scheduler queued it (the
   core reads new requests between steps, so this includes the rest of the step in flight);
 * ``engine_queue``: in vLLM's waiting queue until a step scheduled it;
 * ``prefill``: scheduled -> first token (the prompt's steps, other requests' work included);
-* ``to_replica``: the engine core's output -> the replica's ``generate`` loop.
+* ``to_replica``: the engine core's output -> the replica's ``generate`` loop;
+* ``hop_out``: that first output -> the router has it as a chunk (Serve's stream item back).
+
+``hop_in`` and ``hop_out`` compare the replica's clock with the router's: they are given only
+where both are the same clock (one host); across hosts ``CLOCK_MONOTONIC`` values are unrelated,
+and a hop outside ``0 .. dispatch`` is dropped.
 
 A non-streamed request's first chunk is its whole completion (vLLM's final output only), so
 there ``dispatch``, ``replica`` and ``to_replica`` include the decode as well.
@@ -29,8 +36,11 @@ from __future__ import annotations
 
 from typing import Any
 
-PHASES = ("queue", "dispatch", "replica", "tokenize", "to_engine", "engine_queue", "prefill",
-          "to_replica")
+PHASES = ("queue", "dispatch", "hop_in", "replica", "tokenize", "to_engine", "engine_queue",
+          "prefill", "to_replica", "hop_out")
+
+# The replica's own clock readings, in seconds, for the router's hop phases (not phases).
+_ENTERED, _FIRST_OUTPUT = "_entered", "_first_output"
 
 
 def replica_phases(entered: float, submitted: float, first_output: float,
@@ -41,7 +51,8 @@ def replica_phases(entered: float, submitted: float, first_output: float,
     ``time.monotonic()``; ``engine_stats`` is vLLM's ``RequestOutput.metrics``
     (``queued_ts``, ``scheduled_ts``, ``first_token_ts`` from the engine core's monotonic
     clock), or None when the engine gives none: then only ``replica`` and ``tokenize``."""
-    out = {"replica": _ms(first_output - entered), "tokenize": _ms(submitted - entered)}
+    out = {"replica": _ms(first_output - entered), "tokenize": _ms(submitted - entered),
+           _ENTERED: entered, _FIRST_OUTPUT: first_output}
     queued = getattr(engine_stats, "queued_ts", 0.0) or 0.0
     scheduled = getattr(engine_stats, "scheduled_ts", 0.0) or 0.0
     first_token = getattr(engine_stats, "first_token_ts", 0.0) or 0.0
@@ -50,6 +61,23 @@ def replica_phases(entered: float, submitted: float, first_output: float,
                    prefill=_ms(first_token - scheduled),
                    to_replica=_ms(first_output - first_token))
     return out
+
+
+def with_router_phases(replica: dict[str, float] | None, arrived: float, admitted: float,
+                       sent: float, received: float) -> dict[str, float]:
+    """All phases of one request: the replica's (``replica``, from :func:`replica_phases`,
+    None when the engine gave none) and the router's, from its ``time.monotonic()`` readings:
+    request ``arrived``, ``admitted``, the engine call ``sent``, its first chunk ``received``."""
+    phases = dict(replica or {})
+    entered, first_output = phases.pop(_ENTERED, None), phases.pop(_FIRST_OUTPUT, None)
+    dispatch = received - admitted
+    phases["queue"] = _ms(admitted - arrived)
+    phases["dispatch"] = _ms(dispatch)
+    if entered is not None and first_output is not None:
+        hop_in, hop_out = entered - sent, received - first_output
+        if 0 <= hop_in <= dispatch and 0 <= hop_out <= dispatch:  # one host's clock
+            phases["hop_in"], phases["hop_out"] = _ms(hop_in), _ms(hop_out)
+    return phases
 
 
 def server_timing_header(phases: dict[str, float]) -> str:

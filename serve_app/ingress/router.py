@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from serve_app.config import APP_NAME, AppConfig
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
-from serve_app.engine.timing import server_timing_header
+from serve_app.engine.timing import server_timing_header, with_router_phases
 from serve_app.ingress.admission import AdmissionController, NoReplicaInTime, QueueFull, Slot
 from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
 from serve_app.ingress.engine_feed import EngineFeed
@@ -547,13 +547,13 @@ class OpenAIRouter:
         if channels is not None:
             generation.reply_to = self.router_id
             ticket = channels.register(builder.request_id)
+        sent = time.monotonic()
         gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
             first = await self._first_chunk(gen)
             if self.settings.server_timing:  # the router's phases beside the replica's
-                first.timing = {**(first.timing or {}),
-                                "queue": round((admitted - arrived) * 1000, 2),
-                                "dispatch": round((time.monotonic() - admitted) * 1000, 2)}
+                first.timing = with_router_phases(first.timing, arrived, admitted, sent,
+                                                  time.monotonic())
             return gen, first, ticket
         except BaseException:
             gen.cancel()
