@@ -150,7 +150,6 @@ def router_replica_port(app_name: str = APP_NAME) -> int:
 
     import psutil  # installed with vLLM
 
-
     title = f"ServeReplica:{app_name}:Router"
     for proc in psutil.process_iter(["cmdline"]):
         if not any(title in arg for arg in proc.info["cmdline"] or []):
