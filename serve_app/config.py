@@ -284,6 +284,12 @@ class RouterSettings(_Strict):
         "replica to each router replica batched: one message per engine step instead of one "
         "per stream (serve_app/engine/channel.py). Off: one Serve stream message per chunk.",
     )
+    direct_start: bool = Field(
+        True, description="Each request also goes straight to the engine replica the router "
+        "chose, over a TCP socket, ahead of its Serve call: the engine starts while the call "
+        "is on its way (serve_app/engine/direct_start.py). The call stays the request (errors, "
+        "draining, aborts); off: the Serve call alone, routed by Serve's power-of-two choice.",
+    )
     high_throughput: bool = Field(
         True,
         description="Ray Serve's high-throughput data plane: HAProxy ingress instead of the "

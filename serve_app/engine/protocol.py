@@ -11,7 +11,7 @@ first travel batched across requests (:mod:`serve_app.engine.channel`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 
@@ -85,6 +85,30 @@ class GenerationRequest:
     # The router replica whose output channel carries the chunks after the first
     # (serve_app/engine/channel.py); None: every chunk comes back on the request's own stream.
     reply_to: str | None = None
+    # The router also sent this request over the replica's direct-start socket
+    # (serve_app/engine/direct_start.py): the Serve call claims the engine stream it started.
+    sent_direct: bool = False
+
+    def to_wire(self) -> tuple[Any, ...]:
+        """This request as builtins only (msgpack, for the direct-start socket)."""
+        s = self.sampling
+        return (self.request_id, tuple(getattr(s, f) for f in _SAMPLING_FIELDS), self.prompt,
+                self.prompt_token_ids, self.messages, self.add_special_tokens, self.cache_salt,
+                self.priority, self.stream, self.reply_to, self.sent_direct)
+
+    @classmethod
+    def from_wire(cls, wire: tuple[Any, ...] | list[Any]) -> "GenerationRequest":
+        """The request :meth:`to_wire` encoded (tuples or the lists msgpack turns them into).
+        Raises TypeError or ValueError on anything else."""
+        (request_id, sampling, prompt, prompt_token_ids, messages, add_special_tokens,
+         cache_salt, priority, stream, reply_to, sent_direct) = wire
+        if not isinstance(request_id, str) or len(sampling) != len(_SAMPLING_FIELDS):
+            raise ValueError("not a GenerationRequest wire form")
+        return cls(request_id, SamplingOptions(*sampling), prompt, prompt_token_ids, messages,
+                   add_special_tokens, cache_salt, priority, stream, reply_to, sent_direct)
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingOptions))
 
 
 @dataclass(slots=True)

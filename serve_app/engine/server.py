@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from serve_app.config import ModelSettings
 from serve_app.engine.channel import Batch, OutputChannels
+from serve_app.engine.direct_start import DirectStarts
 from serve_app.engine.protocol import Engine, GenerationRequest, WireChunk
 
 logger = logging.getLogger(__name__)
@@ -49,22 +50,33 @@ class LLMServer:
         self.replica_id = _replica_id()
         self.channels = OutputChannels()
         await self.engine.start()
+        # Routers may start requests here over a socket ahead of their Serve call
+        # (serve_app/engine/direct_start.py); they learn its address from engine_load.
+        self.direct = DirectStarts(self.engine.generate)
+        await self.direct.listen(_node_ip())
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[WireChunk]:
+    async def generate(self, request: GenerationRequest, prefer_replica: str | None = None
+                       ) -> AsyncIterator[WireChunk]:
         """Stream the engine's chunks for ``request`` in their wire form
         (:meth:`GenerationChunk.from_wire` reads them); cancellation aborts the engine's work.
 
         With ``request.reply_to`` (a router replica's id) only the first chunk, which names
         this replica, comes back here; the later ones go through that router's output channel
         (:mod:`serve_app.engine.channel`) while this stream stays open until the engine is
-        done with the request."""
+        done with the request. With ``request.sent_direct`` the engine may have started on the
+        request already (:mod:`serve_app.engine.direct_start`): this call takes that stream
+        over. ``prefer_replica`` is for Serve's request router (the replica the router chose),
+        not used here."""
         self.active += 1
         router = request.reply_to
         first = True
+        chunks = self.direct.claim(request.request_id) if request.sent_direct else None
+        if chunks is None:
+            chunks = self.engine.generate(request)
         try:
             if router is not None:
                 self.channels.begin(router)
-            async for chunk in self.engine.generate(request):
+            async for chunk in chunks:
                 if first:
                     first = False
                     chunk.replica = self.replica_id
@@ -77,6 +89,9 @@ class LLMServer:
             self.active -= 1
             if router is not None:
                 self.channels.end(router)
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:  # cancelled or failed mid-way: the engine stops now
+                await aclose()
 
     async def channel(self, router_id: str, target_replica: str) -> AsyncIterator[Batch]:
         """The output channel of router replica ``router_id`` on this replica: batches of
@@ -112,6 +127,11 @@ class LLMServer:
             "step_tokens": load.step_tokens,
             "prefill_tokens_avg": load.prefill_tokens_avg,
             "unfinished": unfinished() if unfinished else load.running + load.waiting,
+            "direct": self.direct.address,
+            "direct_key": self.direct.key,
+            "direct_started": self.direct.started,
+            "direct_claimed": self.direct.claimed,
+            "direct_orphaned": self.direct.orphaned,
         }
 
     async def engine_started_order(self) -> list[str]:
@@ -141,9 +161,24 @@ class LLMServer:
 
     async def __del__(self) -> None:
         # The constructor may have failed before the engine existed.
+        direct = getattr(self, "direct", None)
+        if direct is not None:
+            await direct.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.shutdown()
+
+
+def _node_ip() -> str:
+    """The address routers on other nodes reach this replica at (loopback outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # pragma: no cover - Ray without a node address
+        pass
+    return "127.0.0.1"
 
 
 def _replica_id() -> str:

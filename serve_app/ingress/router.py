@@ -29,6 +29,7 @@ from serve_app.engine.protocol import EngineRequestError, GenerationChunk
 from serve_app.engine.timing import server_timing_header, with_router_phases
 from serve_app.ingress.admission import AdmissionController, NoReplicaInTime, QueueFull, Slot
 from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
+from serve_app.ingress.direct_start import DirectStarter
 from serve_app.ingress.engine_feed import EngineFeed
 from serve_app.ingress.errors import OpenAIError, install_error_handlers
 from serve_app.ingress.live_config import REFRESH_S, read_tenants, tenants_version
@@ -40,6 +41,7 @@ from serve_app.ingress.stall import ClientStalled, StallWatch
 from serve_app.ingress.tenants import TenantGate
 from serve_app.ingress.transport import on_data_plane, uses_grpc
 from serve_app.routing.capacity import COLD_START_PROBE, capacity_policy
+from serve_app.routing.pinned import PREFER_KWARG
 from serve_app.tenancy.fair_queue import service_of
 from serve_app.tenancy.keys import Tenant
 
@@ -251,6 +253,9 @@ class OpenAIRouter:
         self.channels = ({m.name: ModelChannels(m.name, servers[m.name], router_id)
                           for m in self.config.models}
                          if self.settings.output_channels else {})
+        # Requests also start on their engine over a socket (serve_app/engine/direct_start.py).
+        self.direct = ({m.name: DirectStarter() for m in self.config.models}
+                       if self.settings.direct_start else {})
         adm = self.settings.admission
         self.feeds = {
             m.name: EngineFeed(
@@ -362,6 +367,7 @@ class OpenAIRouter:
                        "engine_running": sum(r.running for r in self.feeds[name].replicas),
                        "output_channels": (self.channels[name].open_channels()
                                            if name in self.channels else 0),
+                       "direct_sent": self.direct[name].sent if name in self.direct else 0,
                        "transport": "grpc" if uses_grpc(self.streams[name]) else "actor call"}
                 for name, a in self.admission.items()}
 
@@ -547,8 +553,16 @@ class OpenAIRouter:
         if channels is not None:
             generation.reply_to = self.router_id
             ticket = channels.register(builder.request_id)
+        direct = self.direct.get(req.model)
+        target = direct.choose(self.feeds[req.model].replicas) if direct is not None else None
         sent = time.monotonic()
-        gen: DeploymentResponseGenerator = handle.generate.remote(generation)
+        gen: DeploymentResponseGenerator
+        if target is not None and direct is not None and direct.send(target, generation):
+            # The engine starts on the socket's frame; the call follows it there.
+            gen = handle.generate.remote(generation, **{PREFER_KWARG: target.replica})
+        else:
+            target = None
+            gen = handle.generate.remote(generation)
         try:
             first = await self._first_chunk(gen)
             if self.settings.server_timing:  # the router's phases beside the replica's
@@ -557,6 +571,8 @@ class OpenAIRouter:
             return gen, first, ticket
         except BaseException:
             gen.cancel()
+            if target is not None and direct is not None:
+                direct.abort(target.replica, builder.request_id)
             if channels is not None and ticket is not None:
                 channels.release(ticket)
             raise

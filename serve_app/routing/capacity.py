@@ -23,7 +23,8 @@ class ReplicaLoad:
     engine's latest step; ``kv_cache_usage`` 0..1; ``max_running``: the engine's batch limit
     (vLLM's ``max_num_seqs``, 0 if unknown); ``step_tokens``: its per-step token budget
     (``max_num_batched_tokens``); ``prefill_tokens_avg``: the tokens its recent prompts needed
-    computed, prefix-cache hits left out (0: unknown).
+    computed, prefix-cache hits left out (0: unknown); ``direct``/``direct_key``: the address
+    and key of its direct-start socket (:mod:`serve_app.engine.direct_start`; None: none).
     """
 
     replica: str
@@ -34,6 +35,8 @@ class ReplicaLoad:
     max_running: int = 0
     step_tokens: int = 0
     prefill_tokens_avg: float = 0.0
+    direct: str | None = None
+    direct_key: str = ""
 
     @property
     def step_intake(self) -> int:
@@ -49,7 +52,8 @@ class ReplicaLoad:
                    kv_cache_usage=float(report.get("kv_cache_usage", 0.0)),
                    max_running=int(report.get("max_running", 0)),
                    step_tokens=int(report.get("step_tokens", 0)),
-                   prefill_tokens_avg=float(report.get("prefill_tokens_avg", 0.0)))
+                   prefill_tokens_avg=float(report.get("prefill_tokens_avg", 0.0)),
+                   direct=report.get("direct"), direct_key=str(report.get("direct_key", "")))
 
 
 class CapacityPolicy(Protocol):

@@ -5,8 +5,10 @@ A router replica opens its output channel (:mod:`serve_app.engine.channel`) on o
 engine replica, the one serving its requests; Serve's handles have no call for that, but they
 ask the deployment's request router where each call goes. A call with a ``target_replica``
 keyword goes to that replica only, or waits while it is not a candidate (not yet running, or
-stopping: the caller bounds the wait). Every other call is routed as Serve routes it by
-default.
+stopping: the caller bounds the wait). A call with a ``prefer_replica`` keyword (a request the
+router also started there directly, :mod:`serve_app.engine.direct_start`) goes to that replica
+while it is a candidate, else where Serve's choice sends it. Every other call is routed as
+Serve routes it by default.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ from ray.serve.request_router import (
 )
 
 TARGET_KWARG = "target_replica"
+PREFER_KWARG = "prefer_replica"
 ROUTER_CLASS = "serve_app.routing.pinned:PinnedOrPowerOfTwoRouter"
 
 
-def pinned_target(pending_request: PendingRequest | None) -> str | None:
-    """The replica id a call names, if any."""
+def pinned_target(pending_request: PendingRequest | None, kwarg: str = TARGET_KWARG
+                  ) -> str | None:
+    """The replica id a call names in ``kwarg``, if any."""
     if pending_request is None:
         return None
-    target: Any = pending_request.kwargs.get(TARGET_KWARG)
+    target: Any = pending_request.kwargs.get(kwarg)
     return target if isinstance(target, str) else None
 
 
@@ -47,8 +51,13 @@ class PinnedOrPowerOfTwoRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         target = pinned_target(pending_request)
-        if target is None:
-            return await PowerOfTwoChoicesRequestRouter.choose_replicas(
-                self, candidate_replicas, pending_request)  # type: ignore[arg-type]
-        pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
-        return [pinned] if pinned else []
+        if target is not None:
+            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            return [pinned] if pinned else []
+        preferred = pinned_target(pending_request, PREFER_KWARG)
+        if preferred is not None:
+            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == preferred]
+            if chosen:
+                return [chosen]
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self, candidate_replicas, pending_request)  # type: ignore[arg-type]

@@ -1,0 +1,225 @@
+"""Direct start (serve_app/engine/direct_start.py, serve_app/ingress/direct_start.py): a request's
+engine starts from the socket frame, once, and its Serve call takes the stream over; what no
+call claims is aborted. Real sockets on loopback, a stand-in engine, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import pytest
+
+from serve_app.engine.direct_start import DirectStarts, frame, hello
+from serve_app.engine.protocol import (
+    ChoiceDelta,
+    EngineRequestError,
+    GenerationChunk,
+    GenerationRequest,
+    SamplingOptions,
+)
+from serve_app.ingress.direct_start import DirectStarter
+from serve_app.routing.capacity import ReplicaLoad
+
+
+class Engine:
+    """Yields two chunks per request once ``release`` is set; records starts and aborts."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.release = asyncio.Event()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        self.started.append(request.request_id)
+        if request.prompt == "bad":
+            raise EngineRequestError("bad prompt", param="prompt")
+        try:
+            await self.release.wait()
+            yield GenerationChunk([ChoiceDelta(0, "a", 1)], 3, False)
+            yield GenerationChunk([ChoiceDelta(0, "b", 1, "length")], 3, True)
+            self.finished.append(request.request_id)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request.request_id)
+            raise
+
+
+def request(rid: str, prompt: str = "hello") -> GenerationRequest:
+    return GenerationRequest(rid, SamplingOptions(max_tokens=2, stop=["x"]), prompt=prompt,
+                             cache_salt="t", priority=3, reply_to="router-1", sent_direct=True)
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    async def wait() -> None:
+        while not cond():
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(wait(), timeout)
+
+
+async def connected(inbox: DirectStarts, key: str | None = None
+                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, _, port = inbox.address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(hello(key or inbox.key))
+    return reader, writer
+
+
+def test_request_wire_form_round_trips_through_msgpack() -> None:
+    import msgpack
+
+    req = GenerationRequest("r1", SamplingOptions(max_tokens=5, stop=["\n"], seed=4),
+                            prompt_token_ids=[1, 2, 3], cache_salt="s", priority=7,
+                            stream=False, reply_to="rt", sent_direct=True)
+    back = GenerationRequest.from_wire(msgpack.unpackb(msgpack.packb(req.to_wire())))
+    assert back == req
+    with pytest.raises(ValueError):
+        GenerationRequest.from_wire((1, (), None, None, None, True, None, 0, True, None, False))
+
+
+@pytest.mark.asyncio
+async def test_frame_starts_the_engine_before_the_serve_call_and_the_call_takes_it_over() -> None:
+    engine = Engine()
+    inbox = DirectStarts(engine.generate)
+    await inbox.listen("127.0.0.1")
+    _, writer = await connected(inbox)
+    writer.write(frame(("start", request("r1").to_wire())))
+    await until(lambda: engine.started == ["r1"])  # no Serve call yet
+    stream = inbox.claim("r1")
+    assert stream is not None
+    engine.release.set()
+    chunks = [c async for c in stream]
+    assert [c.deltas[0].text for c in chunks] == ["a", "b"]
+    assert engine.started == ["r1"] and engine.finished == ["r1"]
+    assert (inbox.started, inbox.claimed, inbox.orphaned) == (1, 1, 0)
+    writer.close()
+    await inbox.close()
+
+
+@pytest.mark.asyncio
+async def test_a_frame_after_its_serve_call_starts_nothing() -> None:
+    engine = Engine()
+    inbox = DirectStarts(engine.generate)
+    await inbox.listen("127.0.0.1")
+    assert inbox.claim("r1") is None  # the Serve call came first and starts the engine itself
+    _, writer = await connected(inbox)
+    writer.write(frame(("start", request("r1").to_wire())))
+    writer.write(frame(("start", request("r2").to_wire())))
+    await until(lambda: engine.started == ["r2"])  # frames are read in order: r1 was dropped
+    assert inbox.started == 1
+    writer.close()
+    await inbox.close()
+
+
+@pytest.mark.asyncio
+async def test_unclaimed_start_is_aborted_after_orphan_s() -> None:
+    engine = Engine()
+    inbox = DirectStarts(engine.generate, orphan_s=0.2)
+    await inbox.listen("127.0.0.1")
+    _, writer = await connected(inbox)
+    writer.write(frame(("start", request("r1").to_wire())))
+    await until(lambda: engine.aborted == ["r1"])
+    assert inbox.orphaned == 1 and inbox.claim("r1") is None
+    writer.close()
+    await inbox.close()
+
+
+@pytest.mark.asyncio
+async def test_abort_frame_stops_an_unclaimed_start() -> None:
+    engine = Engine()
+    inbox = DirectStarts(engine.generate)
+    await inbox.listen("127.0.0.1")
+    _, writer = await connected(inbox)
+    writer.write(frame(("start", request("r1").to_wire())))
+    await until(lambda: engine.started == ["r1"])
+    writer.write(frame(("abort", "r1")))
+    await until(lambda: engine.aborted == ["r1"])
+    assert inbox.orphaned == 0
+    writer.close()
+    await inbox.close()
+
+
+@pytest.mark.asyncio
+async def test_cancelling_the_claiming_call_aborts_the_engine() -> None:
+    engine = Engine()
+    inbox = DirectStarts(engine.generate)
+    await inbox.listen("127.0.0.1")
+    _, writer = await connected(inbox)
+    writer.write(frame(("start", request("r1").to_wire())))
+    await until(lambda: engine.started == ["r1"])
+    stream = inbox.claim("r1")
+    assert stream is not None
+    task = asyncio.ensure_future(stream.__anext__())  # waits for the first chunk
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await stream.aclose()
+    assert engine.aborted == ["r1"]
+    writer.close()
+    await inbox.close()
+
+
+@pytest.mark.asyncio
+async def test_engine_error_before_the_first_chunk_reaches_the_serve_call() -> None:
+    engine = Engine()
+    inbox = DirectStarts(engine.generate)
+    await inbox.listen("127.0.0.1")
+    _, writer = await connected(inbox)
+    writer.write(frame(("start", request("r1", prompt="bad").to_wire())))
+    await until(lambda: engine.started == ["r1"])
+    stream = inbox.claim("r1")
+    assert stream is not None
+    with pytest.raises(EngineRequestError, match="bad prompt"):
+        await stream.__anext__()
+    writer.close()
+    await inbox.close()
+
+
+@pytest.mark.asyncio
+async def test_peer_without_the_key_starts_nothing() -> None:
+    engine = Engine()
+    inbox = DirectStarts(engine.generate)
+    await inbox.listen("127.0.0.1")
+    reader, writer = await connected(inbox, key="0" * 32)
+    writer.write(frame(("start", request("r1").to_wire())))
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # the replica hung up
+    assert engine.started == [] and inbox.started == 0
+    writer.close()
+    await inbox.close()
+
+
+@pytest.mark.asyncio
+async def test_starter_sends_to_the_least_loaded_replica_once_connected() -> None:
+    engines = [Engine(), Engine()]
+    inboxes = [DirectStarts(e.generate) for e in engines]
+    for i in inboxes:
+        await i.listen("127.0.0.1")
+    view = [ReplicaLoad("a", active=5, running=5, waiting=0, direct=inboxes[0].address,
+                        direct_key=inboxes[0].key),
+            ReplicaLoad("b", active=3, running=3, waiting=0, direct=inboxes[1].address,
+                        direct_key=inboxes[1].key)]
+    starter = DirectStarter()
+    first = request("r0")
+    first.sent_direct = False
+    target = starter.choose(view)
+    assert target is not None and target.replica == "b"
+    assert not starter.send(target, first) and not first.sent_direct  # opening the socket
+    await until(lambda: starter._peers["b"].writer is not None)
+    picks = []
+    for n in range(4):  # b has 3, a has 5: b, b (4, 5), then a and b take turns
+        req = request(f"r{n + 1}")
+        target = starter.choose(view)
+        assert target is not None
+        if target.replica == "a":
+            assert not starter.send(target, req)  # a's socket opens now
+            await until(lambda: starter._peers["a"].writer is not None)
+            assert starter.send(target, req)
+        else:
+            assert starter.send(target, req)
+        picks.append(target.replica)
+    assert picks == ["b", "b", "a", "b"]
+    await until(lambda: len(engines[1].started) == 3 and len(engines[0].started) == 1)
+    starter.abort("a", "r3")
+    await until(lambda: engines[0].aborted == ["r3"])
+    starter.close()
+    for i in inboxes:
+        await i.close()
