@@ -77,7 +77,9 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
 
 class _Started:
     """One request the socket started: its engine stream and the task awaiting the first
-    chunk (the engine works on it from the moment the frame is read)."""
+    chunk (the engine works on it from the moment the frame is read). The replica's Serve call
+    awaits ``first`` and iterates ``chunks`` itself (no generator layer per chunk on the
+    replica's busiest loop); :meth:`stream` is the same as one iterator."""
 
     __slots__ = ("chunks", "first", "at")
 
@@ -123,6 +125,7 @@ class DirectStarts:
         self._pending: dict[str, _Started] = {}
         self._claimed: dict[str, float] = {}  # Serve call came first: drop a later frame
         self._closing: set[asyncio.Task[None]] = set()
+        self._peers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.AbstractServer | None = None
         self._reaper: asyncio.Task[None] | None = None
         self.started = 0  # requests started from the socket (diagnostics, tests)
@@ -142,18 +145,22 @@ class DirectStarts:
             self._reaper.cancel()
         if self._server is not None:
             self._server.close()
+        for writer in list(self._peers):
+            writer.close()
         for rid in list(self._pending):
             self.abort(rid)
 
-    def claim(self, request_id: str) -> AsyncIterator[GenerationChunk] | None:
-        """The engine stream the socket started for ``request_id`` (its Serve call has come),
-        or None: the Serve call starts the engine itself and a later frame is dropped."""
+    def claim(self, request_id: str) -> _Started | None:
+        """What the socket started for ``request_id`` (its Serve call has come): the caller
+        awaits ``first``, then iterates ``chunks``, and ``close()``-s it however it ends (or
+        iterates ``stream()``, which does all three). None: the Serve call starts the engine
+        itself, and a frame that comes later is dropped."""
         started = self._pending.pop(request_id, None)
         if started is None:
             self._claimed[request_id] = time.monotonic()
             return None
         self.claimed += 1
-        return started.stream()
+        return started
 
     def start(self, request: GenerationRequest) -> None:
         """Start the engine on ``request`` unless its Serve call already did."""
@@ -193,6 +200,7 @@ class DirectStarts:
     async def _serve_peer(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        self._peers.add(writer)
         try:
             key = await asyncio.wait_for(_read_frame(reader, HELLO_MAX), 5.0)
             if not hmac.compare_digest(key, self.key.encode()):
@@ -210,4 +218,5 @@ class DirectStarts:
         except Exception as err:  # a malformed frame: drop the peer, keep serving
             logger.warning("direct start: dropped %s after a bad frame: %r", peer, err)
         finally:
+            self._peers.discard(writer)
             writer.close()

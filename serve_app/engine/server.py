@@ -70,12 +70,19 @@ class LLMServer:
         self.active += 1
         router = request.reply_to
         first = True
-        chunks = self.direct.claim(request.request_id) if request.sent_direct else None
-        if chunks is None:
-            chunks = self.engine.generate(request)
+        started = self.direct.claim(request.request_id) if request.sent_direct else None
+        chunks = started.chunks if started is not None else self.engine.generate(request)
         try:
             if router is not None:
                 self.channels.begin(router)
+            if started is not None:  # the engine is on it already: its first chunk, then on
+                try:
+                    chunk = await started.first
+                except StopAsyncIteration:
+                    return
+                first = False
+                chunk.replica = self.replica_id
+                yield chunk.to_wire()
             async for chunk in chunks:
                 if first:
                     first = False
@@ -89,9 +96,12 @@ class LLMServer:
             self.active -= 1
             if router is not None:
                 self.channels.end(router)
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:  # cancelled or failed mid-way: the engine stops now
-                await aclose()
+            if started is not None:
+                await started.close()
+            else:
+                aclose = getattr(chunks, "aclose", None)
+                if aclose is not None:  # cancelled or failed mid-way: the engine stops now
+                    await aclose()
 
     async def channel(self, router_id: str, target_replica: str) -> AsyncIterator[Batch]:
         """The output channel of router replica ``router_id`` on this replica: batches of

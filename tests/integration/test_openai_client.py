@@ -126,3 +126,30 @@ def test_server_timing_phases_add_up(client, stack, stream):
     assert abs(parts - phases["replica"]) < 0.5, phases
     hop = phases["hop_in"] + phases["replica"] + phases["hop_out"]
     assert abs(hop - phases["dispatch"]) < 0.5, phases
+
+
+def test_requests_start_on_their_engine_directly(oai, stack):
+    """``router.direct_start`` (on by default): each request also reaches the engine replica
+    over its socket ahead of the Serve call, the call claims what the socket started (the
+    engine ran it once, the client got a whole answer), and nothing was left to the orphan
+    timer, not even by the disconnect tests before this one (the router aborts what it gives
+    up)."""
+    from tests.integration.conftest import admission_state, engine_load
+
+    before, sent_before = engine_load(stack), admission_state(stack)["direct_sent"]
+    for n in range(6):
+        if n % 2:
+            text = "".join(c.choices[0].text for c in oai.completions.create(
+                model=stack["model"], prompt=f"Count {n}", max_tokens=5, stream=True,
+                extra_body={"ignore_eos": True}) if c.choices)
+        else:
+            text = oai.chat.completions.create(
+                model=stack["model"], messages=[{"role": "user", "content": f"Hi {n}"}],
+                max_tokens=5, extra_body={"ignore_eos": True}).choices[0].message.content
+        assert text
+    after, sent = engine_load(stack), admission_state(stack)["direct_sent"] - sent_before
+    assert sent >= 5, sent  # the first may go by Serve alone while a socket opens
+    assert after["direct_started"] - before["direct_started"] == sent
+    assert after["direct_claimed"] - before["direct_claimed"] == sent
+    assert after["direct_orphaned"] == 0
+    assert after["unfinished"] == 0

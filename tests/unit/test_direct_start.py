@@ -84,8 +84,9 @@ async def test_frame_starts_the_engine_before_the_serve_call_and_the_call_takes_
     _, writer = await connected(inbox)
     writer.write(frame(("start", request("r1").to_wire())))
     await until(lambda: engine.started == ["r1"])  # no Serve call yet
-    stream = inbox.claim("r1")
-    assert stream is not None
+    started = inbox.claim("r1")
+    assert started is not None
+    stream = started.stream()
     engine.release.set()
     chunks = [c async for c in stream]
     assert [c.deltas[0].text for c in chunks] == ["a", "b"]
@@ -146,8 +147,9 @@ async def test_cancelling_the_claiming_call_aborts_the_engine() -> None:
     _, writer = await connected(inbox)
     writer.write(frame(("start", request("r1").to_wire())))
     await until(lambda: engine.started == ["r1"])
-    stream = inbox.claim("r1")
-    assert stream is not None
+    started = inbox.claim("r1")
+    assert started is not None
+    stream = started.stream()
     task = asyncio.ensure_future(stream.__anext__())  # waits for the first chunk
     await asyncio.sleep(0)
     task.cancel()
@@ -166,8 +168,9 @@ async def test_engine_error_before_the_first_chunk_reaches_the_serve_call() -> N
     _, writer = await connected(inbox)
     writer.write(frame(("start", request("r1", prompt="bad").to_wire())))
     await until(lambda: engine.started == ["r1"])
-    stream = inbox.claim("r1")
-    assert stream is not None
+    started = inbox.claim("r1")
+    assert started is not None
+    stream = started.stream()
     with pytest.raises(EngineRequestError, match="bad prompt"):
         await stream.__anext__()
     writer.close()
@@ -223,3 +226,84 @@ async def test_starter_sends_to_the_least_loaded_replica_once_connected() -> Non
     starter.close()
     for i in inboxes:
         await i.close()
+
+
+async def llm_server():
+    from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
+    from serve_app.engine.server import LLMServer
+
+    server = LLMServer.__new__(LLMServer)
+    await server.__init__({"name": "m", "path": "unused", "device": "cpu",
+                           "engine_kwargs": {"scripted_step_s": 0.005}}, SCRIPTED_ENGINE_CLASS)
+    return server
+
+
+async def connected_starter(server) -> tuple[DirectStarter, ReplicaLoad]:
+    load = ReplicaLoad.from_report(await server.engine_load())
+    assert load.direct is not None and load.direct_key
+    starter = DirectStarter()
+    assert starter.choose([load]) is load
+    assert not starter.send(load, request("warm-up"))  # opens the socket
+    await until(lambda: starter._peers[load.replica].writer is not None)
+    return starter, load
+
+
+@pytest.mark.asyncio
+async def test_llm_server_serve_call_takes_over_the_direct_start() -> None:
+    server = await llm_server()
+    starter, load = await connected_starter(server)
+    req = request("r1")
+    req.sampling.max_tokens = 3
+    req.reply_to = None
+    assert starter.send(load, req) and req.sent_direct
+    await until(lambda: server.direct.started == 1)
+    wires = [w async for w in server.generate(req, prefer_replica=load.replica)]
+    chunks = [GenerationChunk.from_wire(w) for w in wires]
+    assert chunks[0].replica == server.replica_id and chunks[-1].finished
+    assert sum(d.num_tokens for c in chunks for d in c.deltas) == 3
+    assert server.engine.started_order() == ["r1"]  # started once, by the frame
+    report = await server.engine_load()
+    assert (report["direct_started"], report["direct_claimed"], report["direct_orphaned"]) \
+        == (1, 1, 0)
+    starter.close()
+    await server.__del__()
+
+
+@pytest.mark.asyncio
+async def test_llm_server_serve_call_first_starts_the_engine_and_the_late_frame_is_dropped(
+) -> None:
+    server = await llm_server()
+    starter, load = await connected_starter(server)
+    req = request("r1")
+    req.sampling.max_tokens = 2
+    req.reply_to = None
+    req.sent_direct = True  # as if the frame were still on its way
+    wires = [w async for w in server.generate(req, prefer_replica=load.replica)]
+    assert GenerationChunk.from_wire(wires[-1]).finished
+    assert starter.send(load, req)  # the frame arrives after its Serve call
+    later = request("r2")
+    later.reply_to = None
+    assert starter.send(load, later)
+    await until(lambda: server.direct.started == 1)  # r2 only: frames are read in order
+    assert server.engine.started_order() == ["r1", "r2"]
+    starter.close()
+    await server.__del__()
+
+
+@pytest.mark.asyncio
+async def test_llm_server_cancelled_serve_call_aborts_the_direct_start() -> None:
+    server = await llm_server()
+    starter, load = await connected_starter(server)
+    req = request("r1")
+    req.sampling.max_tokens = 2_000
+    req.reply_to = None
+    assert starter.send(load, req)
+    await until(lambda: server.direct.started == 1)
+    gen = server.generate(req, prefer_replica=load.replica)
+    await gen.__anext__()  # the first chunk: the engine is generating
+    assert server.engine.load().running == 1
+    await gen.aclose()  # Serve closes the call when the router cancels it
+    await until(lambda: server.engine.load().running == 0)
+    assert server.active == 0
+    starter.close()
+    await server.__del__()
