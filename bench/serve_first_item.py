@@ -10,7 +10,10 @@ Serve's default request router and the stack's pinned one (serve_app/routing/pin
 streaming and a unary call, over Serve's gRPC transport and over Ray actor calls
 (``_by_reference``).
 
-usage: python bench/serve_first_item.py [--calls 200] [--prompt 1024]
+With ``--gaps`` (ms, e.g. ``0,2,5,20,50``) each call follows that much quiet instead, over gRPC
+with the pinned router: the hop after a quiet spell, as a request at c=1 takes it.
+
+usage: python bench/serve_first_item.py [--calls 200] [--prompt 1024] [--gaps 0,2,5,20,50]
 """
 
 from __future__ import annotations
@@ -44,14 +47,16 @@ class Consumer:
     def __init__(self, default, pinned) -> None:
         self.handles = {"default": default, "pinned": pinned}
 
-    async def run(self, router: str, kind: str, calls: int, prompt: int, by_reference: bool
-                  ) -> dict[str, float]:
+    async def run(self, router: str, kind: str, calls: int, prompt: int, by_reference: bool,
+                  gap_s: float = 0.0) -> dict[str, float]:
         handle = self.handles[router].options(_by_reference=by_reference)
         if kind == "stream":
             handle = handle.options(stream=True)
         ins, outs = [], []
         for i in range(calls):
             req = GenerationRequest(f"r{i}", SamplingOptions(), prompt_token_ids=[7] * prompt)
+            if gap_s:
+                await asyncio.sleep(gap_s)
             t0 = time.monotonic()
             if kind == "stream":
                 gen = handle.stream.remote(req)
@@ -68,11 +73,19 @@ class Consumer:
                 "total": percentile([a + b for a, b in zip(ins, outs)], 50)}
 
 
-async def main(calls: int, prompt: int) -> None:
+async def main(calls: int, prompt: int, gaps: list[float]) -> None:
     pinned = Producer.options(name="ProducerPinned",
                               request_router_config={"request_router_class": ROUTER_CLASS})
     handle = serve.run(Consumer.bind(Producer.bind(), pinned.bind()), name="first-item",
                        route_prefix=None)
+    if gaps:
+        print("| gap before the call (ms) | in p50 ms | out p50 ms |\n| --- | --- | --- |")
+        await handle.run.remote("pinned", "stream", calls, prompt, False)  # warm up
+        for gap in gaps:
+            r = await handle.run.remote("pinned", "stream", calls, prompt, False, gap / 1000)
+            print(f"| {gap:g} | {r['in']:.2f} | {r['out']:.2f} |", flush=True)
+        serve.shutdown()
+        return
     print("| transport | router | call | in p50 ms | out p50 ms | total p50 ms |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for _ in range(2):  # the first round warms connections and code paths
@@ -90,5 +103,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--gaps", default="", help="ms of quiet before each call, e.g. 0,5,50")
     a = parser.parse_args()
-    asyncio.run(main(a.calls, a.prompt))
+    asyncio.run(main(a.calls, a.prompt, [float(g) for g in a.gaps.split(",") if g]))

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0
 RETRY_S = 1.0  # a replica whose socket failed is tried again after this long
+# A replica Serve did not send a preferring call to (it is stopping, most likely: draining
+# replicas still answer the load polls) gets no direct starts for this long.
+AVOID_S = 5.0
 # A socket this far behind is no faster than Serve's call: requests go by the call alone.
 WRITE_BUFFER_MAX = 4 * 1024 * 1024
 
@@ -82,6 +85,7 @@ class DirectStarter:
         self._retry_at: dict[str, float] = {}
         self._sent_since_view: Counter[str] = Counter()
         self._view: Sequence[ReplicaLoad] | None = None
+        self._avoid_until: dict[str, float] = {}
         self.sent = 0  # requests started directly (diagnostics, tests)
 
     def choose(self, replicas: Sequence[ReplicaLoad]) -> ReplicaLoad | None:
@@ -96,8 +100,10 @@ class DirectStarter:
                 self._peers.pop(rid).close()
         best: ReplicaLoad | None = None
         best_load = 0
+        avoid = self._avoid_until
+        now = time.monotonic() if avoid else 0.0
         for r in replicas:
-            if r.direct is None:
+            if r.direct is None or (avoid and avoid.get(r.replica, 0.0) > now):
                 continue
             load = r.active + self._sent_since_view[r.replica]
             if best is None or load < best_load:
@@ -125,6 +131,14 @@ class DirectStarter:
         peer = self._peers.get(replica)
         if peer is not None:
             peer.send(frame(("abort", request_id)))
+
+    def went_elsewhere(self, replica: str, request_id: str) -> None:
+        """Serve sent the call of ``request_id``, started on ``replica``, to another replica:
+        abort it there, and start nothing there for :data:`AVOID_S`."""
+        self.abort(replica, request_id)
+        now = time.monotonic()
+        self._avoid_until = {r: t for r, t in self._avoid_until.items() if t > now}
+        self._avoid_until[replica] = now + AVOID_S
 
     def close(self) -> None:
         for peer in self._peers.values():

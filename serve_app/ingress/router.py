@@ -566,9 +566,9 @@ class OpenAIRouter:
         try:
             first = await self._first_chunk(gen)
             if target is not None and direct is not None and first.replica != target.replica:
-                # Serve sent the call elsewhere (the chosen replica was stopping): the engine
+                # Serve sent the call elsewhere (the chosen replica is stopping): the engine
                 # work the frame started there would run on unclaimed until its orphan limit.
-                direct.abort(target.replica, builder.request_id)
+                direct.went_elsewhere(target.replica, builder.request_id)
             if self.settings.server_timing:  # the router's phases beside the replica's
                 first.timing = with_router_phases(first.timing, arrived, admitted, sent,
                                                   time.monotonic())

@@ -307,3 +307,34 @@ async def test_llm_server_cancelled_serve_call_aborts_the_direct_start() -> None
     assert server.active == 0
     starter.close()
     await server.__del__()
+
+
+@pytest.mark.asyncio
+async def test_a_replica_serve_did_not_route_to_gets_no_direct_starts_for_a_while(monkeypatch):
+    """Draining replicas still answer the load polls; Serve no longer routes to them."""
+    import serve_app.ingress.direct_start as router_side
+
+    engines = [Engine(), Engine()]
+    inboxes = [DirectStarts(e.generate) for e in engines]
+    for i in inboxes:
+        await i.listen("127.0.0.1")
+    view = [ReplicaLoad("a", active=0, running=0, waiting=0, direct=inboxes[0].address,
+                        direct_key=inboxes[0].key),
+            ReplicaLoad("b", active=9, running=9, waiting=0, direct=inboxes[1].address,
+                        direct_key=inboxes[1].key)]
+    starter = DirectStarter()
+    target = starter.choose(view)
+    assert target is not None and target.replica == "a"
+    starter.send(target, request("r0"))
+    await until(lambda: starter._peers["a"].writer is not None)
+    assert starter.send(target, request("r1"))
+    await until(lambda: engines[0].started == ["r1"])
+    monkeypatch.setattr(router_side, "AVOID_S", 0.3)
+    starter.went_elsewhere("a", "r1")  # the first chunk came from another replica
+    await until(lambda: engines[0].aborted == ["r1"])
+    chosen = starter.choose(view)
+    assert chosen is not None and chosen.replica == "b"  # a is skipped although least loaded
+    await until(lambda: starter.choose(view).replica == "a")  # after AVOID_S
+    starter.close()
+    for i in inboxes:
+        await i.close()
