@@ -23,7 +23,10 @@ from serve_app.routing.capacity import ReplicaLoad
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0
-RETRY_S = 1.0  # a replica whose socket failed is tried again after this long
+# A replica whose socket failed is tried again after RETRY_S, doubling per failure in a row up
+# to RETRY_MAX_S (a firewalled port must not cost a connect attempt and a log line a second).
+RETRY_S = 1.0
+RETRY_MAX_S = 60.0
 # A replica Serve did not send a preferring call to (it is stopping, most likely: draining
 # replicas still answer the load polls) gets no direct starts for this long.
 AVOID_S = 5.0
@@ -34,9 +37,11 @@ WRITE_BUFFER_MAX = 4 * 1024 * 1024
 class _Peer:
     """One socket to one engine replica; it reads nothing but the replica's close."""
 
-    def __init__(self, address: str, key: str) -> None:
+    def __init__(self, address: str, key: str, quiet: bool = False) -> None:
         self.address = address
         self.key = key
+        self.quiet = quiet  # an earlier attempt was logged already
+        self.connected = False  # it got as far as a connection (resets the retry backoff)
         self.writer: asyncio.StreamWriter | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
@@ -46,10 +51,12 @@ class _Peer:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)),
                                                     CONNECT_TIMEOUT_S)
         except (OSError, ValueError, asyncio.TimeoutError) as err:
-            logger.warning("direct start: cannot reach %s: %r (requests go by Serve alone)",
-                           self.address, err)
+            (logger.debug if self.quiet else logger.warning)(
+                "direct start: cannot reach %s: %r (requests go by Serve alone; retrying with "
+                "backoff)", self.address, err)
             return
         writer.write(hello(self.key))
+        self.connected = True
         self.writer = writer
         try:
             await reader.read()  # returns when the replica closes the socket
@@ -83,6 +90,7 @@ class DirectStarter:
     def __init__(self) -> None:
         self._peers: dict[str, _Peer] = {}
         self._retry_at: dict[str, float] = {}
+        self._failures: Counter[str] = Counter()  # failed sockets in a row, per replica
         self._sent_since_view: Counter[str] = Counter()
         self._view: Sequence[ReplicaLoad] | None = None
         self._avoid_until: dict[str, float] = {}
@@ -98,6 +106,8 @@ class DirectStarter:
             live = {r.replica for r in replicas}
             for rid in [rid for rid in self._peers if rid not in live]:
                 self._peers.pop(rid).close()
+                self._failures.pop(rid, None)
+                self._retry_at.pop(rid, None)
         best: ReplicaLoad | None = None
         best_load = 0
         avoid = self._avoid_until
@@ -147,15 +157,21 @@ class DirectStarter:
 
     def _peer(self, replica: ReplicaLoad) -> _Peer | None:
         """The open socket to ``replica``, or None (one is opened for later requests)."""
-        peer = self._peers.get(replica.replica)
+        rid = replica.replica
+        peer = self._peers.get(rid)
         if peer is not None and (peer.done or peer.address != replica.direct):
-            self._peers.pop(replica.replica).close()
+            self._peers.pop(rid).close()
+            if peer.connected:
+                self._failures.pop(rid, None)
+            else:
+                self._failures[rid] += 1
             peer = None
         if peer is None:
             now = time.monotonic()
-            if replica.direct is None or now < self._retry_at.get(replica.replica, 0.0):
+            if replica.direct is None or now < self._retry_at.get(rid, 0.0):
                 return None
-            self._retry_at[replica.replica] = now + RETRY_S
-            self._peers[replica.replica] = _Peer(replica.direct, replica.direct_key)
+            failures = self._failures.get(rid, 0)
+            self._retry_at[rid] = now + min(RETRY_MAX_S, RETRY_S * 2 ** failures)
+            self._peers[rid] = _Peer(replica.direct, replica.direct_key, quiet=failures > 0)
             return None
         return peer

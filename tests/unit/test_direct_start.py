@@ -338,3 +338,32 @@ async def test_a_replica_serve_did_not_route_to_gets_no_direct_starts_for_a_whil
     starter.close()
     for i in inboxes:
         await i.close()
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_replica_is_retried_with_backoff_and_requests_go_by_serve():
+    """A firewalled or dead port must not cost a connect attempt (and a log line) a second."""
+    import socket
+    import time
+
+    from serve_app.ingress.direct_start import RETRY_S
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    view = [ReplicaLoad("a", active=0, running=0, waiting=0, direct=f"127.0.0.1:{port}",
+                        direct_key="k")]
+    starter = DirectStarter()
+    target = starter.choose(view)
+    assert target is not None
+    waits = []
+    for _ in range(4):
+        before = time.monotonic()
+        assert not starter.send(target, request("r"))  # no socket: the Serve call goes alone
+        waits.append(starter._retry_at["a"] - before)
+        await until(lambda: starter._peers["a"].done)  # refused
+        assert not starter.send(target, request("r"))  # within the backoff: no new attempt
+        assert "a" not in starter._peers
+        starter._retry_at["a"] = 0.0  # let the next attempt go now
+    assert [round(w / RETRY_S) for w in waits] == [1, 2, 4, 8], waits
+    starter.close()
