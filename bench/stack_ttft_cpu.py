@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from serve_app.config import load_config  # noqa: E402
 from serve_app.engine.timing import PHASES, parse_server_timing  # noqa: E402
-from serve_app.launch import start_stack, stop_stack  # noqa: E402
+from serve_app.launch import start_stack, stop_stack, wait_until_serving  # noqa: E402
 
 
 def main() -> None:
@@ -39,14 +39,7 @@ def main() -> None:
     model = cfg.models[0].name
     base = start_stack(cfg, num_cpus=4)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/v1/models", timeout=3).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_until_serving(base)
         body = {"model": model, "prompt": [11] * 128, "max_tokens": 4, "stream": True}
         print("| direct start | round | TTFT p50 (ms) | " + " | ".join(PHASES) + " |")
         print("| --- " * (3 + len(PHASES)) + "|")

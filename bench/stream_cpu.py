@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from serve_app.config import ModelSettings, load_config  # noqa: E402
 from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS  # noqa: E402
-from serve_app.launch import start_stack, stop_stack  # noqa: E402
+from serve_app.launch import start_stack, stop_stack, wait_until_serving  # noqa: E402
 
 MODEL = "scripted"
 
@@ -55,14 +54,7 @@ def run_arm(arm: str, a: argparse.Namespace, out: Path) -> dict:
     cfg = cfg.model_copy(update={"models": [model], "router": router})
     base = start_stack(cfg, engine_class=SCRIPTED_ENGINE_CLASS, num_cpus=4)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/v1/models", timeout=3).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_serving(base, timeout_s=120, interval_s=0.5)
         replica, router_proc = _process("LLMServer"), _process("Router")
         bench = [sys.executable, "-m", "serve_app.cli", "bench", "--base-url", base,
                  "--model", MODEL, "--input-len", "16", "--output-len", str(a.output_len),

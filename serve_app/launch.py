@@ -132,6 +132,27 @@ def start_stack(config: AppConfig, address: str | None = None,
     return base_url(config)
 
 
+def wait_until_serving(base: str, timeout_s: float = 300.0, interval_s: float = 1.0,
+                       headers: dict[str, str] | None = None) -> None:
+    """Return once ``base`` answers ``GET /v1/models`` with 200 (its engines are loaded);
+    TimeoutError after ``timeout_s``."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            request = urllib.request.Request(base + "/v1/models", headers=headers or {})
+            with urllib.request.urlopen(request, timeout=3) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base} did not serve /v1/models within {timeout_s:g} s")
+        time.sleep(interval_s)
+
+
 def serve_start_options(config: AppConfig) -> dict[str, Any]:
     """``serve.start`` arguments for ``config``: where the HTTP ingress listens and on which
     nodes it runs (fixed for as long as Serve runs on the cluster)."""
