@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from serve_app.launch import Leftover, find_leftovers
 
 UID = 1000
@@ -75,3 +77,32 @@ def test_first_deploy_to_a_cluster_listens_where_the_config_says(monkeypatch):
     calls.clear()
     published["llm"] = {**cfg.model_dump(mode="json"), "models": []}
     assert launch.deploy(cfg).mode == "redeployed" and calls == [("run", "llm")]
+
+
+def test_wait_until_serving_returns_once_models_answer_and_times_out_otherwise():
+    import http.server
+    import threading
+
+    from serve_app.launch import wait_until_serving
+
+    answers = iter([503, 503, 200])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(next(answers, 200) if self.path == "/v1/models" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        wait_until_serving(base, timeout_s=10, interval_s=0.01)
+        assert next(answers, None) is None  # it asked until the 200
+        answers = iter([503] * 1000)
+        with pytest.raises(TimeoutError):
+            wait_until_serving(base, timeout_s=0.2, interval_s=0.01)
+    finally:
+        server.shutdown()
