@@ -563,12 +563,15 @@ class OpenAIRouter:
         else:
             target = None
             gen = handle.generate.remote(generation)
+        if direct is not None:  # counted while the request is on its way, not on its TTFT
+            self.gate.engine_started(req.model, "serve" if target is None else "direct")
         try:
             first = await self._first_chunk(gen)
             if target is not None and direct is not None and first.replica != target.replica:
                 # Serve sent the call elsewhere (the chosen replica is stopping): the engine
                 # work the frame started there would run on unclaimed until its orphan limit.
                 direct.went_elsewhere(target.replica, builder.request_id)
+                self.gate.engine_started(req.model, "elsewhere")
             if self.settings.server_timing:  # the router's phases beside the replica's
                 first.timing = with_router_phases(first.timing, arrived, admitted, sent,
                                                   time.monotonic())

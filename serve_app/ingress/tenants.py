@@ -53,6 +53,7 @@ class TenantGate:
         self._live = _metric(Gauge, "live_replicas", "gauge", ("model",))
         self._demand = _metric(Gauge, "demand", "gauge", ("model",))
         self._target = _metric(Gauge, "target_per_replica", "gauge", ("model",))
+        self._direct_starts = _metric(Counter, "direct_starts", "counter", ("model", "how"))
         self._targets = {m.name: m.target_per_replica for m in config.models}
         self._queued_now: dict[str, int] = {}
         self._queued_bands: dict[str, dict[str, int]] = {}
@@ -79,6 +80,11 @@ class TenantGate:
     def _publish_queue(self, model: str) -> None:
         for band, n in self._queued_bands.get(model, {}).items():
             self._queued.set(n, tags={"model": model, "priority": band})
+
+    def engine_started(self, model: str, how: str) -> None:
+        """Count how a request's engine started: ``direct``, ``serve`` or ``elsewhere``
+        (serve_app/engine/direct_start.py)."""
+        self._direct_starts.inc(tags={"model": model, "how": how})
 
     def engines_polled(self, model: str, replicas: Sequence[ReplicaLoad], capacity: int) -> None:
         """Publish what the engine feed of ``model`` saw: capacity, live replicas, demand."""
