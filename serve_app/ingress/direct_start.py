@@ -27,8 +27,8 @@ CONNECT_TIMEOUT_S = 2.0
 # to RETRY_MAX_S (a firewalled port must not cost a connect attempt and a log line a second).
 RETRY_S = 1.0
 RETRY_MAX_S = 60.0
-# A replica Serve did not send a preferring call to (it is stopping, most likely: draining
-# replicas still answer the load polls) gets no direct starts for this long.
+# A replica Serve did not send a preferring call to (it is stopping, most likely, and the last
+# load poll still listed it) gets no direct starts for this long.
 AVOID_S = 5.0
 # A socket this far behind is no faster than Serve's call: requests go by the call alone.
 WRITE_BUFFER_MAX = 4 * 1024 * 1024

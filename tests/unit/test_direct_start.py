@@ -311,7 +311,7 @@ async def test_llm_server_cancelled_serve_call_aborts_the_direct_start() -> None
 
 @pytest.mark.asyncio
 async def test_a_replica_serve_did_not_route_to_gets_no_direct_starts_for_a_while(monkeypatch):
-    """Draining replicas still answer the load polls; Serve no longer routes to them."""
+    """A stopping replica may still be in the last load poll; Serve no longer routes to it."""
     import serve_app.ingress.direct_start as router_side
 
     engines = [Engine(), Engine()]
