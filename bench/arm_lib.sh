@@ -10,6 +10,9 @@ require_free_port() {  # port: fail loudly when something listens there
   if python3 - "$1" <<'PY'
 import socket, sys
 s = socket.socket()
+# A listener still fails the bind with SO_REUSEADDR; the last server's closed connections in
+# TIME_WAIT do not (without it they did, and a free port read as taken).
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 try:
     s.bind(("127.0.0.1", int(sys.argv[1])))
 except OSError:
@@ -39,4 +42,43 @@ stop() {  # pid: ask the server to shut down cleanly (serve-app stops Serve and 
   kill -TERM "$1" 2>/dev/null
   for _ in $(seq 90); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
   kill -KILL -- -"$1" 2>/dev/null; sleep 2
+}
+
+pyspy_parts() {  # dir name seconds part...: py-spy (raw stacks, 100 Hz) on each part's process
+  # for that long, in the background; PYSPY_PIDS gets the recorders' pids to wait for. Parts:
+  # api-server (bare vLLM's), LLMServer and Router (the stack's Serve replicas). Each profile
+  # goes to DIR/NAME-PART.pyspy.txt; pyspy_summaries turns them into tables.
+  local dir=$1 name=$2 secs=$3 part pid
+  shift 3
+  PYSPY_PIDS=()
+  command -v py-spy > /dev/null || { echo "no py-spy on this host"; return 0; }
+  for part in "$@"; do
+    if [ "$part" = api-server ]; then pid=$(pgrep -f "serve_app.cli vllm serve" | head -n 1)
+    else pid=$(pgrep -f "ServeReplica:.*:${part}" | head -n 1); fi
+    [ -n "$pid" ] || { echo "no $part process"; continue; }
+    cat /proc/sys/kernel/yama/ptrace_scope > "$dir/$name-$part.pyspy.log" 2>&1
+    py-spy record --nonblocking -p "$pid" -d "$secs" -r 100 -f raw \
+      -o "$dir/$name-$part.pyspy.txt" >> "$dir/$name-$part.pyspy.log" 2>&1 &
+    PYSPY_PIDS+=($!)
+  done
+}
+
+pyspy_summaries() {  # dir name title part...: a markdown table per profile that has samples
+  local dir=$1 name=$2 title=$3 part
+  shift 3
+  for part in "$@"; do
+    [ -s "$dir/$name-$part.pyspy.txt" ] && ${PY:-python3} bench/profile_summary.py \
+      "$dir/$name-$part.pyspy.txt" --title "$title, $part" --top 20 > "$dir/$name-$part.profile.md"
+  done
+}
+
+ensure_model() {  # config: write the config's model folder if it is missing (a model the
+  # project makes itself: SHAPE, else the 8B shape for a GPU model and the tiny one for a CPU
+  # model; a CPU engine given the 8B config-only folder fails to start)
+  local path device
+  read -r path device < <(${PY:-python3} -c "from serve_app.config import load_config as l; m = l('$1').models[0]; print(m.path, m.device)")
+  [ -e "$path" ] && return 0
+  local shape=${SHAPE:-tiny}
+  [ -z "${SHAPE:-}" ] && [ "$device" = gpu ] && shape=llama-3.1-8b
+  ${PY:-python3} -m serve_app.cli make-model "$shape" --out "$path"
 }

@@ -17,9 +17,8 @@ DEST=${OUT:-bench/out}
 DIR=$DEST/$NAME
 mkdir -p "$DIR"
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
-MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].path)")
 # The config's model folder; written as a config-only shape (SHAPE) when missing.
-[ -e "$MPATH" ] || $PY -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
+ensure_model "$CONFIG"
 
 
 

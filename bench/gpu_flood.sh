@@ -15,8 +15,7 @@ DIR=${OUT:-bench/out}/flood
 mkdir -p "$DIR"
 FLOOD_C=${FLOOD_C:-768}
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
-MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].path)")
-[ -e "$MPATH" ] || $PY -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
+ensure_model "$CONFIG"
 FLOOD_KEY=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
 QUIET_KEY=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
 # The stack's config: the deployment plus two tenants (throwaway keys), on loopback.

@@ -5,11 +5,22 @@
 # the comparison (bare vLLM's own c=1 TTFT p50 moved 7 ms between two runs, the gap to measure
 # is 2 ms); a pair shares its moment.
 #
+# With LOAD, the same two servers first take a throughput load each, one after the other
+# (`serve-app bench`, bare vLLM first): output throughput, TPOT and ITL of both arms from one
+# moment and one command, without a second start of either server. Each server then has UTIL
+# of the GPU's memory, so its KV cache is smaller than a server alone would get: compare the
+# arms with each other, not with runs of a whole GPU.
+#
 # usage: bench/gpu_paired_ttft.sh "IN/OUT/PAIRS ..." [CONFIG]   e.g. "1024/128/64 128/1024/32"
 #   env: UTIL=0.42 (each server's share of GPU memory), WARMUP=4, GAP_MS=50, BUDGET_S=540 (a shape
 #   starts no new pair once the command has run this long, less the time to stop the servers)
-# The servers start once; the shapes run one after the other. $OUT gets per shape
-# paired-IN-OUT.md (the table) and paired-IN-OUT.json (every request), and the logs.
+#   LOAD="IN/OUT/NUMS/CONCS ..." e.g. "128/1024/128,256/64,256" (requests per concurrency level,
+#   the levels); PROFILE_S=0 (>0: then the stack runs the last level again for that long plus
+#   8 s, under py-spy on its LLMServer and router replicas; summaries in the load table)
+# The servers start once; the loads run, then the shapes one after the other. $OUT gets per load
+# load-IN-OUT.md (both arms' tables and their ratios) and per shape
+# paired-IN-OUT.md (the table) and paired-IN-OUT-pairs.csv (one row per pair); the tarball of
+# the logs holds paired-IN-OUT.json (every request) and the loads' results.
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
 SHAPES=$1; CONFIG=${2:-deployments/gpu-1.yaml}
@@ -41,8 +52,7 @@ cfg.setdefault("router", {})["server_timing"] = True
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$DIR/paired.yaml').models[0].name)")
-MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$DIR/paired.yaml').models[0].path)")
-[ -e "$MPATH" ] || $PY -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
+ensure_model "$DIR/paired.yaml"
 
 require_free_port 8100 && require_free_port 8000 || exit 1
 BARE_CMD=$($PY -m serve_app.bench.arms "$DIR/paired.yaml")
@@ -66,6 +76,38 @@ STACK=$!
 if ! wait_ready http://127.0.0.1:8000 "$STACK" 420; then finish; exit 1; fi
 echo "both ready after $(( $(date +%s) - T0 ))s"
 DEADLINE=$(( T0 + ${BUDGET_S:-540} - 45 ))
+for load in ${LOAD:-}; do
+  IFS=/ read -r IN OUTLEN NUMS CONCS <<< "$load"
+  for arm in bare stack; do
+    url=http://127.0.0.1:8100; [ "$arm" = stack ] && url=http://127.0.0.1:8000
+    $PY -m serve_app.cli bench --base-url "$url" --model "$MODEL" --input-len "$IN" \
+      --output-len "$OUTLEN" --num-requests "$NUMS" --concurrency "$CONCS" --warmup 2 \
+      --token-range "${TOKEN_RANGE:-1000-20000}" --quiet --label "$arm ${IN}/${OUTLEN}" \
+      --seed 100 --out "$DIR/load-$IN-$OUTLEN-$arm" > "$DIR/load-$IN-$OUTLEN-$arm.log" 2>&1
+  done
+  if [ "${PROFILE_S:-0}" -gt 0 ]; then
+    # The stack at the last (busiest) level once more (prompts of their own: the pairs' and the
+    # loads' seeds differ, so no prompt is in a prefix cache), under py-spy once it has filled up.
+    C=${CONCS##*,}
+    $PY -m serve_app.cli bench --base-url http://127.0.0.1:8000 --model "$MODEL" \
+      --input-len "$IN" --output-len "$OUTLEN" --num-requests $((C * 4)) --concurrency "$C" \
+      --duration $((PROFILE_S + 8)) --warmup 0 --seed 7 --quiet --label profile \
+      --out "$DIR/load-$IN-$OUTLEN-profile" > "$DIR/load-$IN-$OUTLEN-profile.log" 2>&1 &
+    BENCH=$!
+    sleep 6
+    pyspy_parts "$DIR" "load-$IN-$OUTLEN" "$PROFILE_S" LLMServer Router
+    wait $BENCH "${PYSPY_PIDS[@]}"
+  fi
+  {
+    $PY bench/compare_arms.py "$DIR/load-$IN-$OUTLEN-bare/results.json" \
+      "$DIR/load-$IN-$OUTLEN-stack/results.json" \
+      --title "$MODEL, ${IN} in / ${OUTLEN} out, each server with ${UTIL} of the GPU's memory"
+    pyspy_summaries "$DIR" "load-$IN-$OUTLEN" "stack, c=${CONCS##*,} ${IN}/${OUTLEN}" \
+      LLMServer Router
+    cat "$DIR"/load-$IN-$OUTLEN-*.profile.md 2>/dev/null
+  } > "$DEST/load-$IN-$OUTLEN.md"
+  cat "$DEST/load-$IN-$OUTLEN.md"
+done
 for shape in $SHAPES; do
   IFS=/ read -r IN OUTLEN PAIRS <<< "$shape"
   LEFT=$(( DEADLINE - $(date +%s) ))
@@ -75,7 +117,8 @@ for shape in $SHAPES; do
     --model "$MODEL" --input-len "$IN" --output-len "$OUTLEN" --num "$PAIRS" \
     --warmup "${WARMUP:-4}" --gap-ms "${GAP_MS:-50}" --a-metrics http://127.0.0.1:8100/metrics \
     --max-seconds "$LEFT" --token-range "${TOKEN_RANGE:-1000-20000}" \
-    --out "$DEST/paired-${IN}-${OUTLEN}.json" | tee "$DEST/paired-${IN}-${OUTLEN}.md"
+    --out "$DIR/paired-${IN}-${OUTLEN}.json" \
+    --pairs-csv "$DEST/paired-${IN}-${OUTLEN}-pairs.csv" | tee "$DEST/paired-${IN}-${OUTLEN}.md"
 done
 finish
 echo "took $(( $(date +%s) - T0 ))s"

@@ -6,13 +6,15 @@
 #   env: BATCH_OUTPUT_LEN (16-512), BATCH_INPUT_LEN (512), AGREE_IN/AGREE_OUT/AGREE_NUM/AGREE_CONC,
 #        ROUNDS (agreement rounds), SKIP_BATCHING=1 (agreement only)
 set -uo pipefail
+. "$(dirname "$0")/arm_lib.sh"
 CONFIG=${1:-deployments/gpu-1.yaml}; B=${2:-64}; N=${3:-512}
 export PYTHON=${PYTHON:-python3}
+PY=$PYTHON
 DEST=${OUT:-bench/out/gpu-stack}
 mkdir -p "$DEST"
 MODEL=$($PYTHON -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
 MPATH=$($PYTHON -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].path)")
-[ -e "$MPATH" ] || $PYTHON -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
+ensure_model "$CONFIG"
 export CONFIG STACK_LOG=$DEST/stack-server.log READY_TIMEOUT_S=${READY_TIMEOUT_S:-420}
 BATCH_CMD="$PYTHON -m serve_app.cli bench --base-url http://127.0.0.1:8000 --model $MODEL \
   --input-len ${BATCH_INPUT_LEN:-512} --output-len 128 --concurrency $B --num-requests $N \

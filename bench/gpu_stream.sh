@@ -30,8 +30,7 @@ mkdir -p "$DIR" "$DEST"
 PROFILE_C=${PROFILE_C:-256}; PROFILE_S=${PROFILE_S:-12}; REPEAT=${REPEAT:-1}
 STACK_ARMS="channels per-chunk routers2"
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
-MPATH=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].path)")
-[ -e "$MPATH" ] || $PY -m serve_app.cli make-model "${SHAPE:-llama-3.1-8b}" --out "$MPATH"
+ensure_model "$CONFIG"
 
 # The stack configs: the deployment as it is, with the output channels off, with two routers.
 for arm in $STACK_ARMS; do
@@ -83,24 +82,11 @@ profile() {  # url arm: PROFILE_C streams for a while; CPU of every process, py-
     --title "$2 arm, ${PROFILE_C} streams ${IN}/${OUTLEN}: cores busy per process" \
     -- sleep "$PROFILE_S" > /dev/null 2>&1 &
   waits+=($!)
-  for part in $parts; do
-    local pid
-    if [ "$part" = api-server ]; then pid=$(pgrep -f "serve_app.cli vllm serve" | head -n 1)
-    else pid=$(pgrep -f "ServeReplica:.*:${part}" | head -n 1); fi
-    [ -n "$pid" ] || { echo "no $part process"; continue; }
-    command -v py-spy > /dev/null || continue
-    cat /proc/sys/kernel/yama/ptrace_scope > "$DIR/$2-$part.pyspy.log" 2>&1
-    py-spy record --nonblocking -p "$pid" -d "$PROFILE_S" -r 100 -f raw \
-      -o "$DIR/$2-$part.pyspy.txt" >> "$DIR/$2-$part.pyspy.log" 2>&1 &
-    waits+=($!)
-  done
+  pyspy_parts "$DIR" "$2" "$PROFILE_S" $parts
+  waits+=("${PYSPY_PIDS[@]}")
   wait "${waits[@]}"
   cat "$DIR/$2-cpu.md"
-  for part in $parts; do
-    [ -s "$DIR/$2-$part.pyspy.txt" ] && $PY bench/profile_summary.py "$DIR/$2-$part.pyspy.txt" \
-      --title "$2 arm, $part replica, ${PROFILE_C} streams ${IN}/${OUTLEN}" --top 20 \
-      > "$DIR/$2-$part.profile.md"
-  done
+  pyspy_summaries "$DIR" "$2" "$2 arm, ${PROFILE_C} streams ${IN}/${OUTLEN}" $parts
 }
 
 # The summary and the tarball, rewritten after every arm: a command cut off by its time limit

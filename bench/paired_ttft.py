@@ -20,8 +20,9 @@ figures there; where they differ, the time went inside the engine's front end or
 
 usage: python bench/paired_ttft.py --a URL --b URL --model NAME --input-len 1024 \
            --output-len 128 --num 64 [--warmup 4] [--gap-ms 50] [--a-metrics URL]
-           [--max-seconds S] [--out results.json]
-Prints a markdown table (ms); ``--out`` gets every request's record and the summary.
+           [--max-seconds S] [--out results.json] [--pairs-csv pairs.csv]
+Prints a markdown table (ms); ``--out`` gets every request's record and the summary,
+``--pairs-csv`` one row per measured pair (both TTFTs, which went first, B's Server-Timing).
 """
 
 from __future__ import annotations
@@ -193,6 +194,30 @@ def table(result: dict, label_a: str, label_b: str) -> str:
     return "\n".join(lines)
 
 
+def pairs_csv(result: dict, label_a: str, label_b: str) -> str:
+    """One CSV row per pair that both servers answered: TTFTs (ms), which went first, and B's
+    Server-Timing phases (the stack's account of where its time went), in the order it sent them."""
+    rows = []
+    phases: list[str] = []
+    a_recs, b_recs = result["records"]["a"], result["records"]["b"]
+    for i, (x, y) in enumerate(zip(a_recs, b_recs)):
+        for name in y.get("server_timing") or {}:
+            if name not in phases:
+                phases.append(name)
+        if x["ttft"] is None or y["ttft"] is None or x["status"] != 200 or y["status"] != 200:
+            continue
+        rows.append((i, x, y))
+    out = [",".join(["pair", "first", f"{label_a}_ttft_ms", f"{label_b}_ttft_ms",
+                     f"{label_b}_minus_{label_a}_ms", *phases])]
+    for i, x, y in rows:
+        first = label_a if i % 2 == 0 else label_b  # run() alternates, A first on even pairs
+        timing = y.get("server_timing") or {}
+        out.append(",".join([str(i), first, f"{x['ttft'] * 1000:.2f}", f"{y['ttft'] * 1000:.2f}",
+                             f"{(y['ttft'] - x['ttft']) * 1000:.2f}",
+                             *(f"{timing[k]:g}" if k in timing else "" for k in phases)]))
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--a", required=True, help="base URL of server A (before /v1)")
@@ -214,10 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--token-range", default="1000-20000")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--pairs-csv", type=Path, help="one row per pair (small enough to keep)")
     args = ap.parse_args(argv)
     result = asyncio.run(run(args))
     if args.out:
         args.out.write_text(json.dumps(result))
+    if args.pairs_csv:
+        args.pairs_csv.write_text(pairs_csv(result, args.label_a, args.label_b))
     print(table(result, args.label_a, args.label_b))
     return 0 if not any(result["failed"].values()) else 1
 

@@ -56,3 +56,22 @@ def test_the_stack_side_means_use_the_same_spans():
     bare = paired.RequestRecord(start=0.0, tenant="t", prompt_tokens=1, output_tokens=1)
     means = paired.timing_means([rec, bare])  # a record without Server-Timing is skipped
     assert means == {"engine TTFT": 10.0, "engine queue": 0.5, "prefill": 8.0}
+
+
+def _rec(ttft: float | None, status: int = 200, **timing: float) -> dict:
+    rec = paired.RequestRecord(start=0.0, ttft=ttft, end=1.0, status=status)
+    rec.server_timing = dict(timing)
+    return rec.to_dict()
+
+
+def test_pairs_csv_has_one_row_per_answered_pair_with_its_order_and_phases():
+    result = {"records": {
+        "a": [_rec(0.040), _rec(0.050), _rec(None, status=0), _rec(0.045)],
+        "b": [_rec(0.042, hop_in=0.4), _rec(0.049, hop_in=0.5, prefill=35.0),
+              _rec(0.041, hop_in=0.4), _rec(0.046, prefill=30.0)],
+    }}
+    lines = paired.pairs_csv(result, "bare", "stack").splitlines()
+    assert lines[0] == "pair,first,bare_ttft_ms,stack_ttft_ms,stack_minus_bare_ms,hop_in,prefill"
+    assert lines[1:] == ["0,bare,40.00,42.00,2.00,0.4,",
+                         "1,stack,50.00,49.00,-1.00,0.5,35",
+                         "3,stack,45.00,46.00,1.00,,30"]  # pair 2: bare gave no answer
