@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=None, help="override router.port (as `run`)")
     p.set_defaults(func=cmd_deploy)
 
-    p = sub.add_parser("status", help="the running app: replicas by state, live tenants")
+    p = sub.add_parser("status", help="the running app: replicas by state, live tenants, each "
+                       "engine replica's node and requests")
     p.add_argument("--address", default="auto", help="Ray cluster address")
     p.set_defaults(func=cmd_status)
 

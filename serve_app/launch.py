@@ -252,10 +252,13 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
 
 
 def status(address: str | None = "auto") -> dict[str, Any]:
-    """The running app: its status, each deployment's replicas by state, the live tenants."""
+    """The running app: its status, each deployment's replicas by state, the live tenants, and
+    per model its engine replicas as a router replica's last load poll saw them (node, requests
+    in progress, in the engine's batch and queue, taken since start: how evenly they fill)."""
     import ray
     from ray import serve
 
+    from serve_app.app import ROUTER_DEPLOYMENT
     from serve_app.ingress.live_config import read_tenants
 
     if not ray.is_initialized():
@@ -270,7 +273,24 @@ def status(address: str | None = "auto") -> dict[str, Any]:
             for name, d in (app.deployments.items() if app else [])},
         "tenants_version": live[0] if live else None,
         "tenants": [t.name for t in live[1]] if live else [],
+        "models": _router_view(app is not None and ROUTER_DEPLOYMENT in app.deployments),
     }
+
+
+def _router_view(running: bool) -> dict[str, Any]:
+    """Per model, a router replica's admission state; {} while no router runs or answers."""
+    from ray import serve
+
+    from serve_app.app import ROUTER_DEPLOYMENT
+
+    if not running:
+        return {}
+    try:
+        router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=APP_NAME)
+        return router.admission_state.remote().result(timeout_s=10)
+    except Exception as exc:  # a status call must answer while the app is half up
+        logger.warning("router admission state unavailable: %s", exc)
+        return {}
 
 
 def stop_stack() -> None:

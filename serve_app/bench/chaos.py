@@ -87,11 +87,11 @@ class Target:
     def __init__(self, base: str, keys: dict[str, str], model: str) -> None:
         from ray import serve
 
-        from serve_app.app import llm_server_name
+        from serve_app.app import ROUTER_DEPLOYMENT, llm_server_name
 
         self.base, self.keys, self.model = base, keys, model
         self.server = serve.get_deployment_handle(llm_server_name(model), app_name=APP_NAME)
-        self.router = serve.get_deployment_handle("Router", app_name=APP_NAME)
+        self.router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=APP_NAME)
 
     def engines(self) -> list[dict[str, Any]]:
         """Every live engine replica's load (running, waiting, KV-cache use, ...)."""
@@ -106,7 +106,7 @@ class Target:
         """Names of the model's live LLMServer replica actors."""
         import ray
 
-        from serve_app.app import llm_server_name
+        from serve_app.app import ROUTER_DEPLOYMENT, llm_server_name
 
         mark = f"#{llm_server_name(self.model)}#"
         return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

@@ -45,9 +45,11 @@ class LLMServer:
         self.settings = ModelSettings.model_validate(settings)
         self.engine: Engine = import_engine_class(engine_class)(self.settings)
         self.active = 0  # generate() calls in progress: tokenizing, in the engine, streaming
+        self.requests_total = 0  # generate() calls taken since the replica started
         # router id -> (requests it holds queued for this model, when it said so)
         self._backlog: dict[str, tuple[int, float]] = {}
         self.replica_id = _replica_id()
+        self.node_id = _node_id()
         self.channels = OutputChannels()
         await self.engine.start()
         # Routers may start requests here over a socket ahead of their Serve call
@@ -68,6 +70,7 @@ class LLMServer:
         over. ``prefer_replica`` is for Serve's request router (the replica the router chose),
         not used here."""
         self.active += 1
+        self.requests_total += 1
         router = request.reply_to
         first = True
         started = self.direct.claim(request.request_id) if request.sent_direct else None
@@ -129,7 +132,9 @@ class LLMServer:
         unfinished = getattr(self.engine, "unfinished_requests", None)
         return {
             "replica": self.replica_id,
+            "node": self.node_id,
             "active": self.active,
+            "requests_total": self.requests_total,
             "running": load.running,
             "waiting": load.waiting,
             "kv_cache_usage": load.kv_cache_usage,
@@ -189,6 +194,18 @@ def _node_ip() -> str:
     except Exception:  # pragma: no cover - Ray without a node address
         pass
     return "127.0.0.1"
+
+
+def _node_id() -> str:
+    """The Ray node this replica runs on (where its placement group put it); "" outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # pragma: no cover - a Ray worker without a node id
+        pass
+    return ""
 
 
 def _replica_id() -> str:

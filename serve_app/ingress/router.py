@@ -359,10 +359,16 @@ class OpenAIRouter:
 
     async def admission_state(self) -> dict[str, dict[str, Any]]:
         """Per model: requests in flight and queued, the capacity and the live replicas as the
-        engine feed saw them (for `serve-app status`-style tools and white-box tests)."""
+        engine feed saw them, each with its node and load (`serve-app status`, white-box
+        tests)."""
         return {name: {"in_flight": a.in_flight, "queued": a.queued(), "capacity": a.capacity,
                        "in_flight_by_tenant": dict(a.tenant_in_flight),
                        "replicas": len(self.feeds[name].replicas),
+                       "per_replica": [
+                           {"replica": r.replica, "node": r.node, "active": r.active,
+                            "running": r.running, "waiting": r.waiting,
+                            "requests_total": r.requests_total}
+                           for r in self.feeds[name].replicas],
                        "engine_waiting": sum(r.waiting for r in self.feeds[name].replicas),
                        "engine_running": sum(r.running for r in self.feeds[name].replicas),
                        "output_channels": (self.channels[name].open_channels()

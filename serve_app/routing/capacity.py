@@ -24,7 +24,9 @@ class ReplicaLoad:
     (vLLM's ``max_num_seqs``, 0 if unknown); ``step_tokens``: its per-step token budget
     (``max_num_batched_tokens``); ``prefill_tokens_avg``: the tokens its recent prompts needed
     computed, prefix-cache hits left out (0: unknown); ``direct``/``direct_key``: the address
-    and key of its direct-start socket (:mod:`serve_app.engine.direct_start`; None: none).
+    and key of its direct-start socket (:mod:`serve_app.engine.direct_start`; None: none);
+    ``node``: the Ray node it runs on; ``requests_total``: requests it has taken since it
+    started (how evenly routers spread them: `serve-app status`).
     """
 
     replica: str
@@ -37,6 +39,8 @@ class ReplicaLoad:
     prefill_tokens_avg: float = 0.0
     direct: str | None = None
     direct_key: str = ""
+    node: str = ""
+    requests_total: int = 0
 
     @property
     def step_intake(self) -> int:
@@ -53,7 +57,9 @@ class ReplicaLoad:
                    max_running=int(report.get("max_running", 0)),
                    step_tokens=int(report.get("step_tokens", 0)),
                    prefill_tokens_avg=float(report.get("prefill_tokens_avg", 0.0)),
-                   direct=report.get("direct"), direct_key=str(report.get("direct_key", "")))
+                   direct=report.get("direct"), direct_key=str(report.get("direct_key", "")),
+                   node=str(report.get("node", "")),
+                   requests_total=int(report.get("requests_total", 0)))
 
 
 class CapacityPolicy(Protocol):

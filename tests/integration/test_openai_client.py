@@ -134,8 +134,15 @@ def test_requests_start_on_their_engine_directly(oai, stack):
     engine ran it once, the client got a whole answer), and nothing was left to the orphan
     timer, not even by the disconnect tests before this one (the router aborts what it gives
     up)."""
-    from tests.integration.conftest import admission_state, engine_load
+    from tests.integration.conftest import admission_state, engine_load, wait_until
 
+    def sent_direct_after_one() -> bool:  # the socket opens after the router first sees the
+        # replica: until then a request goes by Serve alone
+        sent = admission_state(stack)["direct_sent"]
+        oai.completions.create(model=stack["model"], prompt="warm", max_tokens=1)
+        return admission_state(stack)["direct_sent"] > sent
+
+    wait_until(sent_direct_after_one, 30, 0.2)
     before, sent_before = engine_load(stack), admission_state(stack)["direct_sent"]
     for n in range(6):
         if n % 2:
@@ -148,8 +155,28 @@ def test_requests_start_on_their_engine_directly(oai, stack):
                 max_tokens=5, extra_body={"ignore_eos": True}).choices[0].message.content
         assert text
     after, sent = engine_load(stack), admission_state(stack)["direct_sent"] - sent_before
-    assert sent >= 5, sent  # the first may go by Serve alone while a socket opens
+    assert sent == 6, sent  # the socket is open: every request went by it
     assert after["direct_started"] - before["direct_started"] == sent
     assert after["direct_claimed"] - before["direct_claimed"] == sent
     assert after["direct_orphaned"] == 0
     assert after["unfinished"] == 0
+
+
+def test_status_shows_each_engine_replica_with_its_node_and_requests_taken(oai, stack):
+    """`serve-app status` lists, per model, the engine replicas a router's load poll sees: the
+    Ray node each runs on and the requests it has taken (how evenly the routers spread them)."""
+    import ray
+
+    from serve_app.launch import status
+    from tests.integration.conftest import wait_until
+
+    def replicas() -> list[dict]:
+        return status(address=None)["models"][stack["model"]]["per_replica"]
+
+    before = {r["replica"]: r["requests_total"] for r in replicas()}
+    for n in range(3):
+        oai.completions.create(model=stack["model"], prompt=f"Status {n}", max_tokens=2)
+    wait_until(lambda: sum(r["requests_total"] - before.get(r["replica"], 0)
+                           for r in replicas()) >= 3, 15, 0.2)
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert replicas() and all(r["node"] in alive for r in replicas()), replicas()
