@@ -125,7 +125,7 @@ class DirectStarts:
         self._pending: dict[str, _Started] = {}
         self._claimed: dict[str, float] = {}  # Serve call came first: drop a later frame
         self._closing: set[asyncio.Task[None]] = set()
-        self._peers: set[asyncio.StreamWriter] = set()
+        self._peers: dict[asyncio.StreamWriter, asyncio.Task] = {}  # open peer -> its reader
         self._server: asyncio.AbstractServer | None = None
         self._reaper: asyncio.Task[None] | None = None
         self.started = 0  # requests started from the socket (diagnostics, tests)
@@ -147,6 +147,10 @@ class DirectStarts:
             self._server.close()
         for writer in list(self._peers):
             writer.close()
+        # Each peer's reader then ends at EOF; wait for them, so none is left for the event
+        # loop to cancel at shutdown (asyncio logs a cancelled connection handler as an error).
+        if self._peers:
+            await asyncio.wait(list(self._peers.values()), timeout=1.0)
         for rid in list(self._pending):
             self.abort(rid)
 
@@ -200,7 +204,7 @@ class DirectStarts:
     async def _serve_peer(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        self._peers.add(writer)
+        self._peers[writer] = asyncio.current_task()
         try:
             key = await asyncio.wait_for(_read_frame(reader, HELLO_MAX), 5.0)
             if not hmac.compare_digest(key, self.key.encode()):
@@ -218,5 +222,5 @@ class DirectStarts:
         except Exception as err:  # a malformed frame: drop the peer, keep serving
             logger.warning("direct start: dropped %s after a bad frame: %r", peer, err)
         finally:
-            self._peers.discard(writer)
+            self._peers.pop(writer, None)
             writer.close()
