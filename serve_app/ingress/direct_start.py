@@ -95,11 +95,14 @@ class DirectStarter:
         self._view: Sequence[ReplicaLoad] | None = None
         self._avoid_until: dict[str, float] = {}
         self.sent = 0  # requests started directly (diagnostics, tests)
+        self._turn = 0  # where the next choice starts looking: ties go round the replicas
 
     def choose(self, replicas: Sequence[ReplicaLoad]) -> ReplicaLoad | None:
         """The replica for the next request: of those with a direct-start socket, the one with
         the fewest requests, as its latest report counted them plus those this router sent it
-        since (so a burst between two polls spreads). None: no replica has a socket."""
+        since (so a burst between two polls spreads); of equally loaded ones, each in turn (at
+        low load every poll shows them all idle, and the first would take every request).
+        None: no replica has a socket."""
         if replicas is not self._view:  # a new poll: its reports count what went before
             self._view = replicas
             self._sent_since_view.clear()
@@ -112,7 +115,11 @@ class DirectStarter:
         best_load = 0
         avoid = self._avoid_until
         now = time.monotonic() if avoid else 0.0
-        for r in replicas:
+        n = len(replicas)
+        first = self._turn % n if n else 0
+        self._turn += 1
+        for i in range(n):
+            r = replicas[(first + i) % n]
             if r.direct is None or (avoid and avoid.get(r.replica, 0.0) > now):
                 continue
             load = r.active + self._sent_since_view[r.replica]

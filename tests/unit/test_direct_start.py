@@ -221,7 +221,7 @@ async def test_starter_sends_to_the_least_loaded_replica_once_connected() -> Non
         assert not starter.send(target, first) and not first.sent_direct  # opening the socket
         await until(lambda: starter._peers["b"].writer is not None)
         picks = []
-        for n in range(4):  # b has 3, a has 5: b, b (4, 5), then a and b take turns
+        for n in range(4):  # b has 3, a has 5: b, b (4, 5), then one each
             req = request(f"r{n + 1}")
             target = starter.choose(view)
             assert target is not None
@@ -232,11 +232,27 @@ async def test_starter_sends_to_the_least_loaded_replica_once_connected() -> Non
             else:
                 assert starter.send(target, req)
             picks.append(target.replica)
-        assert picks == ["b", "b", "a", "b"]
+        assert picks[:2] == ["b", "b"] and sorted(picks[2:]) == ["a", "b"]  # then a tie
         await until(lambda: len(engines[1].started) == 3 and len(engines[0].started) == 1)
-        starter.abort("a", "r3")
-        await until(lambda: engines[0].aborted == ["r3"])
+        on_a = f"r{picks.index('a') + 1}"
+        starter.abort("a", on_a)
+        await until(lambda: engines[0].aborted == [on_a])
         starter.close()
+
+
+def test_equally_loaded_replicas_take_turns_regression_first_replica_took_every_request() -> None:
+    """At low load every poll shows the replicas idle: the choice must not always fall on the
+    first one listed (it did: a second replica took nothing at c=1)."""
+    starter = DirectStarter()
+    picks = []
+    for _ in range(10):  # a fresh poll before each request, both idle
+        view = [ReplicaLoad(replica=name, active=0, running=0, waiting=0, direct="x:1")
+                for name in ("a", "b")]
+        picks.append(starter.choose(view).replica)
+    assert picks.count("a") == picks.count("b") == 5, picks
+    loaded = [ReplicaLoad(replica="a", active=2, running=2, waiting=0, direct="x:1"),
+              ReplicaLoad(replica="b", active=1, running=1, waiting=0, direct="x:1")]
+    assert {starter.choose(loaded).replica for _ in range(4)} == {"b"}  # load still decides
 
 
 @contextlib.asynccontextmanager
