@@ -106,7 +106,7 @@ class Target:
         """Names of the model's live LLMServer replica actors."""
         import ray
 
-        from serve_app.app import ROUTER_DEPLOYMENT, llm_server_name
+        from serve_app.app import llm_server_name
 
         mark = f"#{llm_server_name(self.model)}#"
         return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
