@@ -145,7 +145,9 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     assert _replicas(cluster, "Router") == routers
     # `serve-app status` lists the same two engines on their nodes, and both took requests
     # (one stream at a time: each poll showed both idle, and they took turns).
-    view = json.loads(_cli("status", "--address", cluster["address"]).stdout)["models"][MODEL]
+    done = _cli("status", "--address", cluster["address"], timeout=180)
+    view = json.loads(done.stdout)["models"].get(MODEL)
+    assert view, f"no engine view in `serve-app status`:\n{done.stdout}\n{done.stderr[-3000:]}"
     assert sorted(r["node"] for r in view["per_replica"]) == sorted(e["node"] for e in engines)
     assert all(r["requests_total"] > 0 for r in view["per_replica"]), view["per_replica"]
 
