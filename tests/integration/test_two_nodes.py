@@ -143,13 +143,6 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     assert results and all(r == (200, True) for r in results), results
     assert _replicas(cluster, "LLMServer") == engines  # same actors, same processes
     assert _replicas(cluster, "Router") == routers
-    # `serve-app status` lists the same two engines on their nodes, and both took requests
-    # (one stream at a time: each poll showed both idle, and they took turns).
-    done = _cli("status", "--address", cluster["address"], timeout=180)
-    view = json.loads(done.stdout)["models"].get(MODEL)
-    assert view, f"no engine view in `serve-app status`:\n{done.stdout}\n{done.stderr[-3000:]}"
-    assert sorted(r["node"] for r in view["per_replica"]) == sorted(e["node"] for e in engines)
-    assert all(r["requests_total"] > 0 for r in view["per_replica"]), view["per_replica"]
 
     # (b) a new engine seed rolls both engine replicas under streams and whole requests.
     streamed: list = []
