@@ -287,8 +287,9 @@ def _router_view(running: bool) -> dict[str, Any]:
         return {}
     try:
         router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=APP_NAME)
-        # A new driver's first call waits for Serve to tell it the router's replicas: on a
-        # busy machine that took over 10 s.
+        # A new driver's first call waits for Serve to tell it the router's replicas. Known
+        # gap: with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in this process's environment Serve
+        # refuses a call from outside an event loop, and the view comes back empty (warning).
         return router.admission_state.remote().result(timeout_s=60)
     except Exception as exc:  # a status call must answer while the app is half up
         logger.warning("router admission state unavailable: %s", exc)
