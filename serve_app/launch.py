@@ -287,9 +287,13 @@ def _router_view(running: bool) -> dict[str, Any]:
         return {}
     try:
         router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=APP_NAME)
-        # A new driver's first call waits for Serve to tell it the router's replicas. Known
-        # gap: with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in this process's environment Serve
-        # refuses a call from outside an event loop, and the view comes back empty (warning).
+        if not router.is_initialized:
+            # Under RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (inherited by a command started beside the
+            # stack) a handle's router runs on the caller's event loop, and a caller without
+            # one is refused. A router on Serve's own thread answers from anywhere; a handle
+            # this process already uses keeps its own setting.
+            router._init(_run_router_in_separate_loop=True)
+        # A new driver's first call waits for Serve to tell it the router's replicas.
         return router.admission_state.remote().result(timeout_s=60)
     except Exception as exc:  # a status call must answer while the app is half up
         logger.warning("router admission state unavailable: %s", exc)

@@ -180,3 +180,25 @@ def test_status_shows_each_engine_replica_with_its_node_and_requests_taken(oai, 
                            for r in replicas()) >= 3, 15, 0.2)
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert replicas() and all(r["node"] in alive for r in replicas()), replicas()
+
+
+def test_status_from_a_node_shell_regression_high_throughput_env_emptied_the_engine_view(stack):
+    """`serve-app status` run where cluster.yaml's exports hold (Serve's high-throughput mode):
+    Serve then refused the router call from outside an event loop and `models` came back {}."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import ray
+
+    from serve_app.app import HIGH_THROUGHPUT_ENV
+    from tests.integration.conftest import REPO
+
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run([sys.executable, "-m", "serve_app.cli", "status", "--address", address],
+                          cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **HIGH_THROUGHPUT_ENV})
+    assert done.returncode == 0, done.stderr[-3000:]
+    view = json.loads(done.stdout)["models"].get(stack["model"])
+    assert view and view["per_replica"], f"{done.stdout}\n{done.stderr[-3000:]}"

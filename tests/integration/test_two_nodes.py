@@ -13,6 +13,7 @@ nodes share this machine's ports). Under a steady load of streamed requests:
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from serve_app.app import HIGH_THROUGHPUT_ENV
 
 from .conftest import REPO, wait_until
 from .load import finish, start, streams, whole_requests
@@ -60,9 +63,11 @@ def cluster(tiny_model_path, tmp_path_factory):
             proc.kill()
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "-m", "serve_app.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
     assert done.returncode == 0, f"serve-app {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
     return done
 
@@ -143,6 +148,15 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     assert results and all(r == (200, True) for r in results), results
     assert _replicas(cluster, "LLMServer") == engines  # same actors, same processes
     assert _replicas(cluster, "Router") == routers
+    # `serve-app status` lists the same two engines on their nodes, and both took requests
+    # (one stream at a time: each poll showed both idle, and they took turns).
+    # Run as from a shell on a node of cluster.yaml, which exports Serve's high-throughput mode:
+    # under it a handle called from outside an event loop was refused and the view was empty.
+    done = _cli("status", "--address", cluster["address"], timeout=180, env=HIGH_THROUGHPUT_ENV)
+    view = json.loads(done.stdout)["models"].get(MODEL)
+    assert view, f"no engine view in `serve-app status`:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert sorted(r["node"] for r in view["per_replica"]) == sorted(e["node"] for e in engines)
+    assert all(r["requests_total"] > 0 for r in view["per_replica"]), view["per_replica"]
 
     # (b) a new engine seed rolls both engine replicas under streams and whole requests.
     streamed: list = []
