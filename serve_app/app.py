@@ -114,9 +114,18 @@ def build_app(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS) -> Ap
     router = OpenAIRouter.options(
         num_replicas=config.router.num_replicas,
         max_ongoing_requests=config.router.max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=router_actor_options(config),
     ).options(_internal=True, version=versions[ROUTER_DEPLOYMENT])
     return router.bind(router_view(config).model_dump(mode="json"), servers)
+
+
+def router_actor_options(config: AppConfig) -> dict[str, Any]:
+    """Ray actor options of a router replica (pure; unit-tested): no CPU reserved (it must
+    never wait for one an engine holds), the configured custom resources if any."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    if config.router.resources:
+        options["resources"] = dict(config.router.resources)
+    return options
 
 
 def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS

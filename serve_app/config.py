@@ -233,6 +233,11 @@ class RouterSettings(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI endpoint.")
     num_replicas: int = Field(1, ge=1, description="Router replicas (each is a FastAPI app).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each router replica needs, "
+        "e.g. {head: 0.01} with the head started with `--resources '{\"head\": 1}'`: keeps "
+        "routers off the GPU nodes, so that losing one costs its engine replicas only, not every "
+        "request that a router there was carrying.")
     max_ongoing_requests: int = Field(
         4096, ge=1, description="Requests one router replica holds at once."
     )
@@ -296,6 +301,17 @@ class RouterSettings(_Strict):
         "Python HTTP proxy, gRPC between replicas, direct ingress. Set on every node before "
         "Ray starts (serve-app run does it for a local instance).",
     )
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"router.resources: {name} is not a custom resource; a router "
+                                 "reserves no CPU or GPU (leave it out)")
+            if amount <= 0:
+                raise ValueError(f"router.resources.{name}: {amount} must be > 0")
+        return value
 
 
 Priority = Literal["high", "normal", "low"]

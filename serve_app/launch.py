@@ -234,7 +234,7 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
     from serve_app.ingress.live_config import read_config
 
     if not ray.is_initialized():
-        ray.init(address=address)
+        ray.init(address=address, log_to_driver=False)  # the replicas' logs are not ours to print
     running = read_config(APP_NAME)
     new = config.model_dump(mode="json")
     if running is not None and running["router"]["port"] != config.router.port:
@@ -262,7 +262,9 @@ def status(address: str | None = "auto") -> dict[str, Any]:
     from serve_app.ingress.live_config import read_tenants
 
     if not ray.is_initialized():
-        ray.init(address=address)
+        # Replicas' log lines would otherwise stream into this process's stdout, after the
+        # status document a caller parses (seen while an engine replica was starting).
+        ray.init(address=address, log_to_driver=False)
     app = serve.status().applications.get(APP_NAME)
     live = read_tenants(APP_NAME)
     return {

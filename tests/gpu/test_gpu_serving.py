@@ -1,7 +1,8 @@
 """On a GPU host: the app from a GPU deployment config (deployments/gpu-1.yaml unless
 SERVE_APP_GPU_CONFIG names another) serves streamed chat on the Llama-3.1-8B shape (dummy weights),
 and each replica holds exactly one placement group. SERVE_APP_GPU_EXECUTOR=ray forces vLLM's Ray
-executor (the one-GPU proof that the replica's group reaches it). Skipped where CUDA is missing.
+executor (the one-GPU proof that the replica's group reaches it); SERVE_APP_GPU_ADDRESS joins a
+running Ray cluster instead of starting one. Skipped where CUDA is missing.
 Run: python -m pytest -v tests/gpu"""
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def gpu_stack(tmp_path_factory):
     if not Path(model.path).exists():
         write_model("llama-3.1-8b", Path(model.path))
     router = cfg.router.model_copy(update={"host": "127.0.0.1", "port": _free_port()})
-    base = start_stack(cfg.model_copy(update={"router": router}))
+    # SERVE_APP_GPU_ADDRESS: join a running cluster (bench/gpu_parallel.sh's two Ray nodes).
+    base = start_stack(cfg.model_copy(update={"router": router}),
+                       address=os.environ.get("SERVE_APP_GPU_ADDRESS"))
     client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
     deadline = time.time() + 480
     while time.time() < deadline:
@@ -119,3 +122,9 @@ def test_one_placement_group_per_replica(gpu_stack):
         assert available.get(f"GPU_group_{group_id}", 0) == 0, available
     # ... and no GPU outside the groups is.
     assert ray.cluster_resources().get("GPU", 0) - available.get("GPU", 0) == gpus
+    # SERVE_APP_GPU_REPLICA_NODES=N: each replica's GPU bundles lie on N nodes (two Ray nodes of
+    # one GPU each and PP=2: one stage per node).
+    if os.environ.get("SERVE_APP_GPU_REPLICA_NODES"):
+        for g in groups.values():
+            nodes = {g["bundles_to_node_id"][i] for i, b in g["bundles"].items() if b.get("GPU")}
+            assert len(nodes) == int(os.environ["SERVE_APP_GPU_REPLICA_NODES"]), g

@@ -9,8 +9,9 @@ import httpx
 
 
 def streams(base: str, model: str, headers: dict, results: list, stop: threading.Event) -> None:
-    """Keep one stream open after another until stopped; each result is (status, saw [DONE]),
-    or (error and lines received, False) for a connection that broke."""
+    """Keep one stream open after another until stopped; each result is (status, True) for a
+    stream that ended with [DONE], (status, False, "error event" or "cut after N lines") for
+    one that did not, or (error and lines received, False) for a connection that broke."""
     with httpx.Client(base_url=base, timeout=60, headers=headers) as c:
         while not stop.is_set():
             lines: list[str] = []
@@ -19,7 +20,13 @@ def streams(base: str, model: str, headers: dict, results: list, stop: threading
                         "model": model, "prompt": "live", "max_tokens": 24,
                         "ignore_eos": True, "stream": True}) as r:
                     lines.extend(r.iter_lines())
-                    results.append((r.status_code, "data: [DONE]" in lines))
+                    if "data: [DONE]" in lines:
+                        results.append((r.status_code, True))
+                    else:
+                        signal = any(line.startswith("data:") and '"error"' in line
+                                     for line in lines)
+                        results.append((r.status_code, False, "error event" if signal
+                                        else f"cut after {len(lines)} lines"))
             except httpx.HTTPError as err:  # a cut connection is a failure too
                 results.append((f"{type(err).__name__} after {len(lines)} lines: {err}", False))
 

@@ -1,10 +1,15 @@
-"""A Ray cluster of two nodes on this machine (one CPU each), for the two-node rollout test.
+"""A Ray cluster of two nodes on this machine (one CPU each), for the two-node rollout test;
+with CLUSTER_GPUS and CLUSTER_CPUS, two GPU nodes on one GPU host (bench/gpu_parallel.sh).
 
 Run as a process of its own, apart from the suite's stack and its Ray:
 
     python -m tests.integration.two_node_cluster serve     # starts it; prints {"address": ...,
-                                                           # "dashboard": ...} on one line;
-                                                           # stops on stdin EOF
+                                                           # "worker": NODE_ID, "dashboard": ...}
+                                                           # on one line;
+                                                           # stops on stdin EOF; a line
+                                                           # `remove-worker` kills the worker
+                                                           # node, `add-worker` starts a new
+                                                           # one (each answers a JSON line)
     python -m tests.integration.two_node_cluster actors DASHBOARD # alive Serve replicas (JSON)
 
 The nodes are started with ``ray.cluster_utils.Cluster``: the same raylet and GCS processes
@@ -42,16 +47,35 @@ def serve_cluster() -> None:
 
     from ray.cluster_utils import Cluster
 
+    # On a host with GPUs (bench/gpu_parallel.sh): CLUSTER_GPUS="0,1" gives the head GPU 0 and
+    # the worker GPU 1, one each; a raylet hands its workers the devices it was started with.
+    gpus = [g for g in os.environ.get("CLUSTER_GPUS", "").split(",") if g]
+    cpus = int(os.environ.get("CLUSTER_CPUS", "1"))
+
+    def node_args(index: int, role: str) -> dict:
+        if gpus:
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus[index]  # read by the raylet at its start
+        return {"num_cpus": cpus, "num_gpus": 1 if gpus else 0, "resources": {role: 1}}
+
     dashboard_port = _free_port()  # the state API (actor table) is served by the dashboard
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"head": 1}, "include_dashboard": True,
+        **node_args(0, "head"), "include_dashboard": True,
         "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port})
-    cluster.add_node(num_cpus=1, resources={"worker": 1})
+    worker = cluster.add_node(**node_args(1, "worker"))
     cluster.wait_for_nodes()
-    print(json.dumps({"address": cluster.address,
+    print(json.dumps({"address": cluster.address, "worker": worker.node_id,
                       "dashboard": f"http://127.0.0.1:{dashboard_port}"}), flush=True)
     try:
-        sys.stdin.read()  # until the test closes our stdin
+        for line in sys.stdin:  # until the test closes our stdin
+            if line.strip() == "remove-worker":
+                # A lost node: its raylet and every process of it killed, no graceful stop.
+                node_id = worker.node_id
+                cluster.remove_node(worker, allow_graceful=False)
+                print(json.dumps({"removed": node_id}), flush=True)
+            elif line.strip() == "add-worker":
+                worker = cluster.add_node(**node_args(1, "worker"))
+                cluster.wait_for_nodes()
+                print(json.dumps({"added": worker.node_id}), flush=True)
     finally:
         cluster.shutdown()
 

@@ -45,3 +45,25 @@ def test_engine_args_pass_through_and_executor_choice():
     assert gpu["tensor_parallel_size"] == 2 and gpu["pipeline_parallel_size"] == 2
     cpu = engine_args_for(_settings(device="cpu", tensor_parallel_size=2))
     assert cpu["distributed_executor_backend"] == "mp"
+
+
+def test_router_reserves_no_cpu_and_takes_the_custom_resources_it_is_given():
+    from serve_app.app import router_actor_options
+    from serve_app.config import AppConfig, RouterSettings
+
+    plain = AppConfig(models=[_settings()])
+    assert router_actor_options(plain) == {"num_cpus": 0}
+    pinned = plain.model_copy(update={"router": RouterSettings(resources={"head": 0.01})})
+    assert router_actor_options(pinned) == {"num_cpus": 0, "resources": {"head": 0.01}}
+
+
+def test_router_resources_refuse_cpu_and_zero_naming_the_field():
+    import pytest
+    from pydantic import ValidationError
+
+    from serve_app.config import RouterSettings
+
+    with pytest.raises(ValidationError, match=r"router.resources: CPU is not a custom"):
+        RouterSettings(resources={"CPU": 1})
+    with pytest.raises(ValidationError, match=r"router.resources.head: 0.0 must be > 0"):
+        RouterSettings(resources={"head": 0})
