@@ -131,9 +131,11 @@ def router_actor_options(config: AppConfig) -> dict[str, Any]:
 def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS
                         ) -> dict[str, str]:
     """Serve deployment name -> the version :func:`build_app` gives it (pure; unit-tested)."""
-    versions = {llm_server_name(m.name): deployment_version(m.model_dump(mode="json"),
-                                                            engine_class)
-                for m in config.models}
+    # Replica counts and autoscaling are Serve options, applied in place: in a version they
+    # replaced every engine (and router) replica to scale a model from two replicas to one.
+    versions = {llm_server_name(m.name): deployment_version(
+        m.model_dump(mode="json", exclude={"autoscaling"}), engine_class)
+        for m in config.models}
     # Tenants are live (serve_app/ingress/live_config.py): every router replica adopts the
     # published list within a second, so they are no part of the router's version. With them
     # in it, the first redeploy after a live tenant change (an engine argument, say) rolled the
@@ -141,6 +143,8 @@ def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CL
     # rollout test).
     router_args = router_view(config).model_dump(mode="json")
     router_args.pop("tenants")
+    for m in router_args["models"]:  # of autoscaling the router reads its target alone
+        m["autoscaling"] = {"target_per_replica": m["autoscaling"]["target_per_replica"]}
     versions[ROUTER_DEPLOYMENT] = deployment_version(
         router_args, sorted(m.name for m in config.models))
     return versions

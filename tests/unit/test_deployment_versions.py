@@ -65,3 +65,24 @@ def test_tenants_are_not_part_of_any_version_regression_router_rolled_after_a_li
     tenant = TenantSettings(name="t", api_key_sha256=["0" * 64])
     with_tenant = cfg.model_copy(update={"tenants": [tenant]})
     assert deployment_versions(with_tenant) == deployment_versions(cfg)
+
+
+def test_replica_counts_roll_nothing_regression_scaling_to_one_replica_replaced_every_engine():
+    """Replica counts and the autoscaling policy are Serve options, applied in place; in the
+    versions they made `serve-app deploy` from two replicas to one replace every engine."""
+    cfg = _config()
+    for update in ({"min_replicas": 2, "max_replicas": 2}, {"max_replicas": 4},
+                   {"initial_replicas": 0, "min_replicas": 0}, {"upscale_delay_s": 1.0}):
+        changed = _with_model(cfg, autoscaling=cfg.models[0].autoscaling.model_copy(
+            update=update))
+        assert deployment_versions(changed) == deployment_versions(cfg), update
+
+
+def test_an_autoscaling_target_change_reaches_the_router_only():
+    cfg = _config()
+    engine = llm_server_name(cfg.models[0].name)
+    changed = _with_model(cfg, autoscaling=cfg.models[0].autoscaling.model_copy(
+        update={"target_per_replica": 3}))
+    before, after = deployment_versions(cfg), deployment_versions(changed)
+    assert after[ROUTER_DEPLOYMENT] != before[ROUTER_DEPLOYMENT]
+    assert after[engine] == before[engine]
