@@ -5,12 +5,15 @@
 #   tp2         deployments/gpu-tp2.yaml (one replica, TP=2 over both GPUs): the GPU tests on it
 #               (placement.json), then c=1 TPOT of that replica and of one on one GPU
 #               (deployments/gpu-1.yaml), each alone on the host, `serve-app bench` both
-#   pp2-2nodes  two Ray nodes of one GPU each (tests/integration/two_node_cluster.py with
+#   pp2-2nodes  two Ray nodes of one GPU each (tests/integration/local_cluster.py with
 #               CLUSTER_GPUS=0,1); the GPU tests with deployments/gpu-pp2-2nodes.yaml on that
 #               cluster, which also check that the replica's two stages lie on the two nodes
 #   2replicas   deployments/gpu-2replicas.yaml: two TP=1 replicas at c=512, then the same app
 #               with one replica (`serve-app deploy`, applied in place) at c=256, one stack start;
 #               `serve-app status` after each gives the requests each engine replica took
+#   pp2-node-loss four Ray nodes, two on each GPU, and two PP=2 replicas (a stage per node):
+#               the node of one replica's second stage killed under load, then returned
+#               (tests/gpu/test_node_loss.py; the times into node-loss.json)
 #
 # usage: bench/gpu_parallel.sh RUN        env: IN=1024 OUT_LEN=128 (the c=512 / c=256 shape);
 #   CONFIG (2replicas: another two-replica config, e.g. a CPU one for a dry run of the script),
@@ -19,7 +22,7 @@
 # was not lent when this was written (the scripts it reuses ran on one H200).
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
-RUN=${1:?usage: bench/gpu_parallel.sh tp2|pp2-2nodes|2replicas}
+RUN=${1:?usage: bench/gpu_parallel.sh tp2|pp2-2nodes|2replicas|pp2-node-loss}
 PY=${PYTHON:-python3}
 DEST=${OUT:-bench/out}
 DIR=${WORK:-${TMPDIR:-/tmp}/gpu-parallel}/$RUN
@@ -85,7 +88,7 @@ case $RUN in
     ;;
   pp2-2nodes)
     echo "### PP=2 over two Ray nodes of one GPU each" > "$REPORT"
-    CLUSTER_GPUS=0,1 CLUSTER_CPUS=8 $PY -m tests.integration.two_node_cluster serve \
+    CLUSTER_GPUS=0,1 CLUSTER_CPUS=8 $PY -m tests.integration.local_cluster serve \
       < <(sleep 100000) > "$DIR/cluster.json" 2> "$DIR/cluster.log" &
     CLUSTER=$!
     for _ in $(seq 120); do [ -s "$DIR/cluster.json" ] && break; sleep 1; done
@@ -142,6 +145,13 @@ for name in ("two", "one"):
         print(f"- after the {name}-replica level, {model}: requests taken per engine replica {counts}")
 PY
     stop "$STACK"
+    ;;
+  pp2-node-loss)
+    echo "### Losing the node of one pipeline stage under load (two PP=2 replicas, four nodes)" \
+      > "$REPORT"
+    OUT="$DIR" $PY -m pytest -v -s tests/gpu/test_node_loss.py > "$DIR/node-loss-test.log" 2>&1
+    { echo "test: exit $?"; tail -n 5 "$DIR/node-loss-test.log"; echo '```'
+      cat "$DIR/node-loss.json" 2>/dev/null; echo '```'; } >> "$REPORT"
     ;;
   *) echo "unknown run $RUN"; exit 2 ;;
 esac

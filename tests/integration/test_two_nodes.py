@@ -1,6 +1,6 @@
 """Rollout onto a running two-node Ray cluster through the command line an operator uses.
 
-A cluster of two Ray nodes on this machine, one CPU each (tests/integration/two_node_cluster.py),
+A cluster of two Ray nodes on this machine, one CPU each (tests/integration/local_cluster.py),
 gets the app with `serve-app deploy --address`: two engine replicas, one on each node (the
 actor table says where), the router and HAProxy on the head (`proxy_location: HeadOnly`: both
 nodes share this machine's ports). Under a steady load of streamed requests:
@@ -14,16 +14,10 @@ nodes share this machine's ports). Under a steady load of streamed requests:
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-import psutil  # installed with vLLM
 import pytest
 import yaml
 
@@ -31,48 +25,23 @@ from serve_app.app import HIGH_THROUGHPUT_ENV, llm_server_name
 
 from .conftest import REPO, wait_until
 from .load import finish, start, streams, whole_requests
+from .local_cluster import (actors, alive, app_status, free_port, process_tree,
+                            running_cluster, serve_app_cli)
 
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-llama"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model_path, tmp_path_factory):
     """The two-node cluster (its address and dashboard); it stops after the module's tests."""
     log = tmp_path_factory.mktemp("two-nodes") / "cluster.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.two_node_cluster",
-                                 "serve"], cwd=REPO, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line:
-        proc.kill()
-        pytest.fail(f"the two-node cluster did not start:\n{log.read_text()[-3000:]}")
-    def control(command: str) -> dict:
-        """Send the cluster process a command (`remove-worker`, `add-worker`); its answer."""
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(command + "\n")
-        proc.stdin.flush()
-        answer = proc.stdout.readline()
-        assert answer, f"no answer to {command}:\n{log.read_text()[-3000:]}"
-        return json.loads(answer)
-
     try:
-        yield {**json.loads(line), "control": control}
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with running_cluster(log) as running:
+            yield running
+    except RuntimeError as err:  # did not start: its log says why
+        pytest.fail(str(err))
 
 
 @pytest.fixture(scope="module")
@@ -81,35 +50,12 @@ def access() -> tuple[int, dict[str, str]]:
     app an earlier one left running (Serve's port cannot change without a restart)."""
     from serve_app.tenancy.keys import new_key
 
-    return _free_port(), {"team-a": new_key(), "team-x": new_key()}
-
-
-def _cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None
-         ) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "serve_app.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    assert done.returncode == 0, f"serve-app {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
-    return done
-
-
-def _status(cluster: dict, env: dict[str, str] | None = None) -> dict:
-    """`serve-app status` on the cluster, parsed (its stdout is one JSON document)."""
-    done = _cli("status", "--address", cluster["address"], timeout=180, env=env)
-    try:
-        return json.loads(done.stdout)
-    except json.JSONDecodeError as err:
-        raise AssertionError(f"`serve-app status` printed more than its JSON ({err}):\n"
-                             f"{done.stdout}\n{done.stderr[-2000:]}") from err
+    return free_port(), {"team-a": new_key(), "team-x": new_key()}
 
 
 def _replicas(cluster: dict, deployment: str) -> list[dict]:
     """Alive replica actors of one deployment of the app: id, node, pid."""
-    out = subprocess.run([sys.executable, "-m", "tests.integration.two_node_cluster", "actors",
-                          cluster["dashboard"]], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return [a for a in json.loads(out.stdout.strip().splitlines()[-1])
+    return [a for a in actors(cluster)
             if a["class"].startswith(f"ServeReplica:llm:{deployment}")]
 
 
@@ -138,7 +84,7 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     base = f"http://127.0.0.1:{port}"
     auth = {name: {"Authorization": f"Bearer {key}"} for name, key in keys.items()}
 
-    _cli("deploy", "--config", str(_config(tmp_path / "v1.yaml", tiny_model_path, port, keys, 0)),
+    serve_app_cli("deploy", "--config", str(_config(tmp_path / "v1.yaml", tiny_model_path, port, keys, 0)),
          "--address", cluster["address"])
 
     def serves(headers: dict) -> int:
@@ -165,7 +111,7 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     try:
         wait_until(lambda: results, 60, 0.2)
         t0 = time.monotonic()
-        out = _cli("deploy", "--config",
+        out = serve_app_cli("deploy", "--config",
                    str(_config(tmp_path / "v2.yaml", tiny_model_path, port,
                                {"team-a": keys["team-a"]}, 0)), "--address", cluster["address"])
         assert "nothing restarted" in out.stdout, out.stdout  # applied live
@@ -183,7 +129,7 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     # (one stream at a time: each poll showed both idle, and they took turns).
     # Run as from a shell on a node of cluster.yaml, which exports Serve's high-throughput mode:
     # under it a handle called from outside an event loop was refused and the view was empty.
-    status = _status(cluster, HIGH_THROUGHPUT_ENV)
+    status = app_status(cluster, HIGH_THROUGHPUT_ENV)
     view = status["models"].get(MODEL)
     assert view, f"no engine view in `serve-app status`: {status}"
     assert sorted(r["node"] for r in view["per_replica"]) == sorted(e["node"] for e in engines)
@@ -198,7 +144,7 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     try:
         wait_until(lambda: len(streamed) >= 2 and whole, 60, 0.2)
         t1 = time.monotonic()
-        out = _cli("deploy", "--config",
+        out = serve_app_cli("deploy", "--config",
                    str(_config(tmp_path / "v3.yaml", tiny_model_path, port,
                                {"team-a": keys["team-a"]}, 1)), "--address", cluster["address"])
         assert "redeploying" in out.stdout, out.stdout
@@ -209,7 +155,7 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
             return len(now) == 2 and not ({e["id"] for e in now} & old)
 
         wait_until(rolled, 900, 2)
-        wait_until(lambda: _status(cluster)["status"] == "RUNNING", 300, 2)
+        wait_until(lambda: app_status(cluster)["status"] == "RUNNING", 300, 2)
         rolled_after = time.monotonic() - t1
         during = len(streamed) + len(whole)
         wait_until(lambda: len(streamed) + len(whole) >= during + 3, 120, 0.2)
@@ -224,26 +170,6 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
           f"requests, none failed or cut")
 
 
-def _processes(pid: int) -> set[int]:
-    """``pid`` and every process under it (a replica and its engine core)."""
-    try:
-        proc = psutil.Process(pid)
-        return {pid, *(c.pid for c in proc.children(recursive=True))}
-    except psutil.NoSuchProcess:
-        return set()
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.add(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
 def test_losing_a_node_tears_its_engine_down_and_the_other_keeps_serving(
         cluster, access, tiny_model_path, tmp_path):
     """The worker node dies under load (raylet and all its processes killed). Its engine
@@ -256,7 +182,7 @@ def test_losing_a_node_tears_its_engine_down_and_the_other_keeps_serving(
     base = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {keys['team-a']}"}
     # The last configuration of the test above (a no-op after it; the app otherwise).
-    _cli("deploy", "--config", str(_config(tmp_path / "v.yaml", tiny_model_path, port,
+    serve_app_cli("deploy", "--config", str(_config(tmp_path / "v.yaml", tiny_model_path, port,
                                            {"team-a": keys["team-a"]}, 1)),
          "--address", cluster["address"])
 
@@ -275,7 +201,7 @@ def test_losing_a_node_tears_its_engine_down_and_the_other_keeps_serving(
     wait_until(lambda: len(set(engine_nodes())) == 2 and worker in engine_nodes(), 300, 1)
     assert all(r["node"] != worker for r in _replicas(cluster, "Router"))  # router.resources
     victim = next(e for e in _replicas(cluster, "LLMServer") if e["node"] == worker)
-    victim_procs = _processes(victim["pid"])
+    victim_procs = process_tree(victim["pid"])
     assert len(victim_procs) >= 2, victim_procs  # the replica and its engine core
 
     streamed: list = []
@@ -290,7 +216,7 @@ def test_losing_a_node_tears_its_engine_down_and_the_other_keeps_serving(
         before = (len(streamed), len(whole))
         assert cluster["control"]("remove-worker") == {"removed": worker}
         removed, t_kill = True, time.monotonic()
-        wait_until(lambda: not _alive(victim_procs), 60, 0.2)
+        wait_until(lambda: not alive(victim_procs), 60, 0.2)
         gone_after = time.monotonic() - t_kill
         wait_until(lambda: worker not in engine_nodes(), 60, 0.5)
         replica_gone_after = time.monotonic() - t_kill
@@ -314,14 +240,14 @@ def test_losing_a_node_tears_its_engine_down_and_the_other_keeps_serving(
     assert all(r == (200, True) for r in streamed[:before[0]] + whole[:before[1]])
 
     t_back = time.monotonic()
-    wait_until(lambda: new_worker in engine_nodes() and _status(cluster)["deployments"].get(
+    wait_until(lambda: new_worker in engine_nodes() and app_status(cluster)["deployments"].get(
         llm_server_name(MODEL)) == {"RUNNING": 2}, 600, 2)
     placed_after = time.monotonic() - t_back
 
     # The replica on the returned node takes requests again (engine views of the routers).
     def new_engine_took_requests() -> bool:
         assert serves()
-        view = _status(cluster, HIGH_THROUGHPUT_ENV)["models"].get(MODEL) or {}
+        view = app_status(cluster, HIGH_THROUGHPUT_ENV)["models"].get(MODEL) or {}
         return any(r["node"] == new_worker and r["requests_total"] > 0
                    for r in view.get("per_replica", []))
 
