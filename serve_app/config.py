@@ -20,6 +20,9 @@ VLLM_DEFAULT_MAX_NUM_SEQS = 256
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 # A long stream must be able to finish while its replica drains (Serve's default is 20 s).
 DEFAULT_DRAIN_TIMEOUT_S = 600.0
+# An engine step takes milliseconds to a few seconds; a loop that has not stepped for this long
+# while it holds requests is hung (serve_app/engine/stall.py).
+DEFAULT_STALL_TIMEOUT_S = 120.0
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deployments" / "local-cpu.yaml"
 
 # vLLM options the schema sets itself; passing them through engine_kwargs would silently disagree.
@@ -135,6 +138,13 @@ class ModelSettings(_Strict):
         DEFAULT_DRAIN_TIMEOUT_S, gt=0, description="How long a replica chosen to go (scale-down, redeploy) may "
         "take to finish its streams; it gets no new requests meanwhile. Size it to the longest "
         "generation you allow (max_model_len tokens at your slowest per-token latency).",
+    )
+    engine_stall_timeout_s: float | None = Field(
+        DEFAULT_STALL_TIMEOUT_S, gt=0, description="A replica whose engine holds requests but "
+        "finishes no step for this long fails its health check: its engine processes are "
+        "killed (the requests in it end with an error) and Serve replaces it. Catches an "
+        "engine core that hangs instead of dying, such as a pipeline stage whose peer's node "
+        "is gone. Keep it far above the longest step; null turns the watch off.",
     )
 
     @field_validator("name")

@@ -21,6 +21,7 @@ from serve_app.engine.protocol import (
     GenerationChunk,
     GenerationRequest,
 )
+from serve_app.engine.stall import StallWatch
 from serve_app.engine.timing import replica_phases
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,13 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**engine_args_for(self.settings))
+        # vLLM calls stat loggers once per step only with its stats on: the step clock of the
+        # stall watch (and the scheduler counts) come from there.
+        if args.disable_log_stats and self.settings.engine_stall_timeout_s is not None:
+            logger.warning("disable_log_stats is set: the stall watch of %s is off (it needs "
+                           "the engine's per-step stats)", self.settings.name)
+        else:
+            self._stats.watch.timeout_s = self.settings.engine_stall_timeout_s
         loggers = [_stat_logger_factory(self._stats), *_ray_metrics_loggers()]
         # The defaults `vllm serve` gets: without this usage context an H200 engine gets a
         # 2,048-token step budget instead of 8,192 (measured: the stack then started a quarter
@@ -120,7 +128,23 @@ class VLLMEngine:
         return int(self._engine.output_processor.get_num_unfinished_requests())
 
     async def check_health(self) -> None:
+        """Raise when the engine core has exited, or has held requests without a step for
+        longer than the model's ``engine_stall_timeout_s`` (:mod:`serve_app.engine.stall`). A
+        stalled engine's processes are killed first, as if it had died: vLLM then ends every request
+        in it with an error at once (none waits for the replica to go), and its devices are
+        free even if the replica is later stopped without a graceful shutdown."""
         await self._engine.check_health()
+        stalled = self._stats.watch.stalled_for(time.monotonic(), self.unfinished_requests())
+        if stalled is None:
+            return
+        message = (f"the engine of {self.settings.name} has held requests for {stalled:.0f} s "
+                   "without a step (engine_stall_timeout_s="
+                   f"{self.settings.engine_stall_timeout_s}): a hung engine core, or a pipeline "
+                   "stage whose peer is gone")
+        killed = _kill_child_processes()
+        logger.error("%s; killed its processes %s so that Serve replaces this replica",
+                     message, killed)
+        raise EngineStalledError(message)
 
     async def shutdown(self) -> None:
         if self._engine is not None:
@@ -232,6 +256,7 @@ class VLLMEngine:
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt  # prefix cache shared within a tenant only
         submitted = time.monotonic()
+        self._stats.watch.submitted(submitted, engine_idle=not self.unfinished_requests())
         stream = self._engine.generate(prompt, params, request.request_id,
                                        priority=request.priority if self._priority else 0)
         first = True
@@ -315,15 +340,35 @@ def _replica_placement_group(tensor_parallel_size: int) -> Any:
     return group
 
 
-class _SchedulerCounts:
-    """Latest running/waiting counts reported by the engine's scheduler."""
+class EngineStalledError(RuntimeError):
+    """The engine held requests without a step for longer than its stall timeout."""
 
-    __slots__ = ("running", "waiting", "kv_cache_usage")
+
+def _kill_child_processes() -> list[int]:
+    """SIGKILL every process under this one: the engine core and the workers it started (a
+    stopped or blocked process ignores anything milder). Returns their pids."""
+    import psutil  # a dependency of vLLM
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [child.pid for child in children]
+
+
+class _SchedulerCounts:
+    """Latest running/waiting counts reported by the engine's scheduler, and the stall watch
+    its steps feed (off until :meth:`VLLMEngine.start` sets its timeout)."""
+
+    __slots__ = ("running", "waiting", "kv_cache_usage", "watch")
 
     def __init__(self) -> None:
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
+        self.watch = StallWatch(None)
 
 
 def _stat_logger_factory(counts: _SchedulerCounts) -> Any:
@@ -339,6 +384,7 @@ def _stat_logger_factory(counts: _SchedulerCounts) -> Any:
             if scheduler_stats is not None:
                 counts.running = scheduler_stats.num_running_reqs
                 counts.waiting = scheduler_stats.num_waiting_reqs
+                counts.watch.stepped(time.monotonic(), counts.running + counts.waiting > 0)
                 # `gpu_cache_usage` before vLLM renamed it (same meaning on CPU builds).
                 counts.kv_cache_usage = float(getattr(scheduler_stats, "kv_cache_usage", None)
                                               or getattr(scheduler_stats, "gpu_cache_usage", 0.0))

@@ -44,16 +44,20 @@ REPO = Path(__file__).resolve().parents[2]
 UTIL = 0.42  # two stages share each GPU
 
 
-def _gpu_memory_used_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+def _nvidia_smi(field: str) -> list[int]:
+    """One figure per GPU (MiB), from nvidia-smi's ``--query-gpu``."""
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
-    return sum(int(x) for x in out.split())
+    return [int(x) for x in out.split()]
+
+
+def _gpu_memory_used_mib() -> int:
+    return sum(_nvidia_smi("memory.used"))
 
 
 def _gpu_memory_total_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0])
+    """One GPU's memory (the host's GPUs are alike)."""
+    return _nvidia_smi("memory.total")[0]
 
 
 def _config(path: Path, port: int) -> Path:

@@ -22,6 +22,9 @@ HEADROOM = 2
 IN_FLIGHT = ENGINE_BATCH + HEADROOM
 # router.stream_stall_timeout_s of the shared stack: short, so the slow-reader test is quick.
 STALL_S = 3.0
+# The model's engine_stall_timeout_s in the shared stack: short, so the hung-engine test is quick
+# (the tiny model's steps take milliseconds).
+ENGINE_STALL_S = 10.0
 # Tenants of the shared stack: the default one the tests act as, a second unlimited one, and
 # tenants whose limits the tenancy tests run into (each test owns its limited tenant).
 TENANTS: dict[str, dict] = {
@@ -66,7 +69,8 @@ def stack(tiny_model_path):
     # A small engine batch so the router's fair queue and admission are exercised by the suite.
     model = cfg.models[0]
     model = model.model_copy(update={"engine_kwargs": {**model.engine_kwargs,
-                                                       "max_num_seqs": ENGINE_BATCH}})
+                                                       "max_num_seqs": ENGINE_BATCH},
+                                     "engine_stall_timeout_s": ENGINE_STALL_S})
     # Server-Timing on: the phase test reads it (off by default in production configs).
     router = cfg.router.model_copy(update={
         "port": port, "server_timing": True, "stream_stall_timeout_s": STALL_S,

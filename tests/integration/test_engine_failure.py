@@ -1,10 +1,11 @@
 """A vLLM engine core that dies under load (OOM killer, driver fault) is a server fault, never a
 500 to the client or a hung stream: in-flight streams end with an error event, non-streaming
 requests and new requests get an OpenAI-shaped 503, Serve's health check replaces the replica,
-and the endpoint serves again without anyone restarting it.
+and the endpoint serves again without anyone restarting it. One that hangs instead of dying
+(a pipeline stage blocked on a lost peer) is found by the stall watch and goes the same way.
 
-The test kills the real engine-core process of the shared stack and waits for the recovery, so
-the tests after it run against a fresh replica."""
+The tests kill (or stop) the real engine-core process of the shared stack and wait for the
+recovery, so the tests after them run against a fresh replica."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import psutil
 from ray.util.state import list_actors
 
 from serve_app.app import APP_NAME, llm_server_name
+
+from .conftest import ENGINE_STALL_S, wait_until
 
 LONG = {"max_tokens": 1900, "ignore_eos": True}
 
@@ -82,20 +85,69 @@ def test_engine_death_is_a_503_and_the_replica_recovers(stack):
         assert resp.json()["error"]["type"] == "service_unavailable"
 
         # Until the replica is replaced, requests get 503 (with Retry-After) or wait; never 500.
-        seen = []
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            r = client.post("/v1/completions",
-                            json={"model": model, "prompt": "hello", "max_tokens": 4})
-            seen.append(r.status_code)
-            assert r.status_code in (200, 503), (r.status_code, r.text)
-            if r.status_code == 200:
-                break
-            assert "error" in r.json() and r.headers.get("retry-after"), r.text
-            time.sleep(1)
-        assert seen[-1] == 200, f"no recovery in 240 s: {seen}"
+        _serves_again(client, model, 240)
 
     new_cores = _engine_core_processes(model)
     assert len(new_cores) == 1 and new_cores[0].pid != cores[0].pid
     load = stack["server"].engine_load.remote().result(timeout_s=30)
     assert load["unfinished"] == 0, load
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _serves_again(client: httpx.Client, model: str, within_s: float) -> list:
+    """Post until a 200; every answer meanwhile is a 503 with Retry-After (never a 500)."""
+    seen = []
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        r = client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 4})
+        seen.append(r.status_code)
+        assert r.status_code in (200, 503), (r.status_code, r.text)
+        if r.status_code == 200:
+            return seen
+        assert "error" in r.json() and r.headers.get("retry-after"), r.text
+        time.sleep(1)
+    raise AssertionError(f"no recovery in {within_s} s: {seen}")
+
+
+def test_a_hung_engine_core_is_killed_by_the_stall_watch_and_the_replica_recovers(stack):
+    """SIGSTOP on the engine core under a stream: it neither steps nor dies, as a pipeline
+    stage blocked on a peer whose node is gone. Within the model's engine_stall_timeout_s and a
+    health-check period the replica kills it: the stream ends with an error event instead of
+    hanging, the stopped process is gone (not left holding the engine's memory), and a new
+    replica serves."""
+    model = stack["model"]
+    cores = _engine_core_processes(model)
+    assert len(cores) == 1, cores
+    first_chunk = threading.Event()
+    stream_out: dict = {}
+    with httpx.Client(base_url=stack["base"], timeout=300, headers=stack["headers"]) as client:
+        stream = threading.Thread(target=_stream_until_end, args=(
+            client, {"model": model, "prompt": "hello", "stream": True, **LONG},
+            first_chunk, stream_out))
+        stream.start()
+        assert first_chunk.wait(60), "the stream never started"
+        cores[0].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            stream.join(ENGINE_STALL_S + 120)
+            assert not stream.is_alive(), "the stream hung on a stopped engine"
+            ended_after = time.monotonic() - stopped_at
+            assert stream_out["status"] == 200
+            events = stream_out["events"]
+            assert "[DONE]" not in events, "a cut-off stream must not look complete"
+            assert "error" in json.loads(events[-1]), events[-1]
+            wait_until(lambda: _gone(cores[0]), 60, 0.2)
+        finally:
+            if not _gone(cores[0]):  # the watch failed: leave no stopped process behind
+                cores[0].kill()
+        seen = _serves_again(client, model, 240)
+    new_cores = _engine_core_processes(model)
+    assert len(new_cores) == 1 and new_cores[0].pid != cores[0].pid
+    print(f"\nstopped engine core: its stream ended {ended_after:.1f} s later "
+          f"(engine_stall_timeout_s={ENGINE_STALL_S}); answers until served again: {seen}")

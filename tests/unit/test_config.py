@@ -122,3 +122,14 @@ def test_open_endpoint_on_a_public_address_is_refused_unless_asked_for():
 def test_stall_timeout_must_be_positive():
     msg = _error({"models": [_model()], "router": {"stream_stall_timeout_s": 0}})
     assert "router.stream_stall_timeout_s" in msg
+
+
+def test_engine_stall_timeout_defaults_on_and_may_be_turned_off():
+    from serve_app.config import DEFAULT_STALL_TIMEOUT_S
+
+    assert parse_config({"models": [_model()]}).models[0].engine_stall_timeout_s == \
+        DEFAULT_STALL_TIMEOUT_S
+    off = parse_config({"models": [_model(engine_stall_timeout_s=None)]})
+    assert off.models[0].engine_stall_timeout_s is None
+    msg = _error({"models": [_model(engine_stall_timeout_s=0)]})
+    assert "engine_stall_timeout_s" in msg
