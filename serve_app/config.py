@@ -22,7 +22,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 DEFAULT_DRAIN_TIMEOUT_S = 600.0
 # An engine step takes milliseconds to a few seconds; a loop that has not stepped for this long
 # while it holds requests is hung (serve_app/engine/stall.py).
-DEFAULT_STALL_TIMEOUT_S = 120.0
+DEFAULT_STALL_TIMEOUT_S = 60.0
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deployments" / "local-cpu.yaml"
 
 # vLLM options the schema sets itself; passing them through engine_kwargs would silently disagree.
