@@ -61,3 +61,20 @@ def finish(stop: threading.Event, threads: list[threading.Thread]) -> None:
     stop.set()
     for t in threads:
         t.join(timeout=120)
+
+
+def ok_count(results: list) -> int:
+    """Requests that ended well: status 200 and complete ([DONE], or the full length)."""
+    return sum(r == (200, True) for r in results)
+
+
+def assert_only_in_flight_failed(results: list, threads: int) -> list:
+    """``results`` are those of requests sent after a fault (a lost node or replica) by
+    ``threads`` load threads: each thread had at most one request in flight at the fault, so at
+    most ``threads`` fail; none hung (timed out), and each failure told its client (an error
+    status, or an SSE error event in a started stream). Returns the failures."""
+    failed = [r for r in results if r != (200, True)]
+    assert len(failed) <= threads, failed
+    assert not [r for r in failed if "Timeout" in str(r[0])], failed
+    assert all(r[0] != 200 or r[2:] == ("error event",) for r in failed), failed
+    return failed
