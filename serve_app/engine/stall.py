@@ -5,8 +5,8 @@ pipeline stage blocked in a send or receive to a peer whose node is gone, a driv
 collective. vLLM's ``check_health`` only reports an engine core that has exited, so such a
 replica stays in Serve's view, keeps its GPUs and its requests, and its streams hang. The
 engine adapter feeds a :class:`StallWatch` and asks it in ``check_health``; a stall fails the
-health check (after the adapter has shut the engine down, which ends the requests in it with
-an error and frees its devices), and Serve replaces the replica.
+health check (after the adapter has killed the engine's processes, which ends the requests in
+it with an error and frees its devices), and Serve replaces the replica.
 
 A step is *due* from the moment a request arrives at an idle engine, and again after every
 step that leaves requests running or waiting; a step that leaves none makes none due. The

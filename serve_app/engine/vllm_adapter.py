@@ -130,9 +130,9 @@ class VLLMEngine:
     async def check_health(self) -> None:
         """Raise when the engine core has exited, or has held requests without a step for
         longer than the model's ``engine_stall_timeout_s`` (:mod:`serve_app.engine.stall`). A
-        stalled engine's processes are killed first, as if it had died: vLLM then ends every request
-        in it with an error at once (none waits for the replica to go), and its devices are
-        free even if the replica is later stopped without a graceful shutdown."""
+        stalled engine's processes are killed first, as if it had died: vLLM then ends every
+        request in it with an error at once (none waits for the replica to go), and its
+        devices are free even if the replica is later stopped without a graceful shutdown."""
         await self._engine.check_health()
         stalled = self._stats.watch.stalled_for(time.monotonic(), self.unfinished_requests())
         if stalled is None:
