@@ -13,7 +13,9 @@
 #               `serve-app status` after each gives the requests each engine replica took
 #   pp2-node-loss four Ray nodes, two on each GPU, and two PP=2 replicas (a stage per node):
 #               the node of one replica's second stage killed under load, then returned
-#               (tests/gpu/test_node_loss.py; the times into node-loss.json)
+#               (tests/gpu/test_node_loss.py; the times into node-loss.json). Three engine
+#               starts of PP=2 in one call: run it after pp2-2nodes on the same host, whose
+#               start leaves vLLM's compile cache warm for this shape
 #
 # usage: bench/gpu_parallel.sh RUN        env: IN=1024 OUT_LEN=128 (the c=512 / c=256 shape);
 #   CONFIG (2replicas: another two-replica config, e.g. a CPU one for a dry run of the script),

@@ -61,7 +61,7 @@ def _gpu_memory_total_mib() -> int:
     return _nvidia_smi("memory.total")[0]
 
 
-def _config(path: Path, port: int) -> Path:
+def _config(path: Path, port: int, replicas: int) -> Path:
     from serve_app.config import load_config
     from serve_app.models import write_model
 
@@ -72,7 +72,7 @@ def _config(path: Path, port: int) -> Path:
     cfg = yaml.safe_load(source.read_text())
     model = cfg["models"][0]
     model.update(path=str(model_path), placement_strategy="STRICT_SPREAD", max_model_len=4096,
-                 autoscaling={"min_replicas": 2, "max_replicas": 2})
+                 autoscaling={"min_replicas": replicas, "max_replicas": replicas})
     model["engine_kwargs"].update(gpu_memory_utilization=UTIL, max_num_seqs=256)
     # The router on the head: losing a worker node costs an engine stage, not a router.
     cfg["router"] = {**cfg["router"], "port": port, "proxy_location": "HeadOnly",
@@ -108,10 +108,15 @@ def test_losing_a_stage_node_tears_that_replica_down_and_the_other_serves(tmp_pa
     try:
         with running_cluster(tmp_path / "cluster.log", {"CLUSTER_GPUS": "0,1,0,1",
                                                        "CLUSTER_CPUS": "4"}) as cluster:
-            serve_app_cli("deploy", "--config", str(_config(tmp_path / "app.yaml", port)),
-                          "--address", cluster["address"], timeout=600)
-            wait_until(lambda: app_status(cluster)["deployments"].get(
-                llm_server_name(model)) == {"RUNNING": 2}, 900, 5)
+            # One replica, then two: engines that share a GPU start one after the other (vLLM
+            # sizes its KV cache from the memory it finds free, and a neighbour that allocates
+            # while it profiles upsets the measurement). Replica counts apply in place.
+            for replicas in (1, 2):
+                serve_app_cli("deploy", "--config",
+                              str(_config(tmp_path / f"app-{replicas}.yaml", port, replicas)),
+                              "--address", cluster["address"], timeout=600)
+                wait_until(lambda: app_status(cluster)["deployments"].get(
+                    llm_server_name(model)) == {"RUNNING": replicas}, 900, 5)
             layout = _layout(cluster)
             assert len(layout) == 2, layout
             stage_nodes = [s["node"] for r in layout.values() for s in r["stages"]]
