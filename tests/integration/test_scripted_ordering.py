@@ -28,6 +28,7 @@ BATCH = 4
 STEP_S = 0.02
 TOKENS = 50  # one request holds a batch place for TOKENS steps (1 s): a place frees about
 # every TOKENS x STEP_S / BATCH = 0.25 s under the flood, far apart from the late arrivals
+FLOOD_TOKENS = 200  # the priority test's flood: a place every second
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,13 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
     async def main() -> tuple[list, int]:
         ids: list = []
         async with httpx.AsyncClient(timeout=120) as client:
-            flood = [asyncio.create_task(_complete(client, s, "team-a", ids))
+            # Flood requests of FLOOD_TOKENS: a place frees only every FLOOD_TOKENS x STEP_S /
+            # BATCH = 1 s, so the six late requests all reach the router between two of them.
+            # With 50-token floods (a place every 0.25 s) a loaded CI machine once spread their
+            # arrival wider than that: team-c's second took a place before team-b's third had
+            # arrived (arrival order, not the bands).
+            flood = [asyncio.create_task(_complete(client, s, "team-a", ids,
+                                                   max_tokens=FLOOD_TOKENS))
                      for _ in range(6 * BATCH)]
             # A backlog in the router: the batch, the engine's small queue and team-a's first
             # request are out, the rest waits.
