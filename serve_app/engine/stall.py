@@ -42,8 +42,13 @@ class StallWatch:
 
     def stalled_for(self, now: float, unfinished: int) -> float | None:
         """Seconds a step has been due, when that exceeds the timeout and the engine still
-        tracks ``unfinished`` > 0 requests; otherwise None."""
-        if self.timeout_s is None or self.due_since is None or unfinished == 0:
+        tracks ``unfinished`` > 0 requests; otherwise None. Unfinished requests with no step
+        due (a step that saw no work ran while a request was on its way into the engine) make
+        one due from ``now``: a hang right then is found one check later, not never."""
+        if self.timeout_s is None or unfinished == 0:
+            return None
+        if self.due_since is None:
+            self.due_since = now
             return None
         waited = now - self.due_since
         return waited if waited > self.timeout_s else None

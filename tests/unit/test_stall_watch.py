@@ -53,4 +53,15 @@ def test_a_step_that_leaves_no_work_makes_none_due():
     watch = StallWatch(10)
     watch.submitted(0.0, engine_idle=True)
     watch.stepped(2.0, has_work=False)
-    assert watch.stalled_for(100.0, unfinished=1) is None  # e.g. a request not yet added
+    assert watch.stalled_for(100.0, unfinished=0) is None
+
+
+def test_a_request_that_arrived_behind_an_empty_step_is_still_watched():
+    """A step that saw no work ran while a request was on its way into the engine; the engine
+    then hangs. The first check that sees the request unfinished starts the clock."""
+    watch = StallWatch(10)
+    watch.submitted(0.0, engine_idle=True)
+    watch.stepped(0.001, has_work=False)  # the request was not in the engine yet
+    assert watch.stalled_for(5.0, unfinished=1) is None  # clock starts here
+    assert watch.stalled_for(14.0, unfinished=1) is None
+    assert watch.stalled_for(16.0, unfinished=1) == 11.0
