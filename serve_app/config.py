@@ -20,9 +20,11 @@ VLLM_DEFAULT_MAX_NUM_SEQS = 256
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 # A long stream must be able to finish while its replica drains (Serve's default is 20 s).
 DEFAULT_DRAIN_TIMEOUT_S = 600.0
-# An engine step takes milliseconds to a few seconds; a loop that has not stepped for this long
-# while it holds requests is hung (serve_app/engine/stall.py).
-DEFAULT_STALL_TIMEOUT_S = 60.0
+# The floor of the engine stall watch's timeout (serve_app/engine/stall.py) on GPUs: vLLM's own
+# limit for one execution (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s). A step takes milliseconds
+# to seconds, but a long prefill, a compile or a network hiccup in TP/PP can take minutes, and
+# killing a healthy engine costs every request in it and minutes of restart.
+DEFAULT_STALL_TIMEOUT_S = 300.0
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deployments" / "local-cpu.yaml"
 
 # vLLM options the schema sets itself; passing them through engine_kwargs would silently disagree.
@@ -140,12 +142,25 @@ class ModelSettings(_Strict):
         "generation you allow (max_model_len tokens at your slowest per-token latency).",
     )
     engine_stall_timeout_s: float | None = Field(
-        DEFAULT_STALL_TIMEOUT_S, gt=0, description="A replica whose engine holds requests but "
-        "finishes no step for this long fails its health check: its engine processes are "
-        "killed (the requests in it end with an error) and Serve replaces it. Catches an "
-        "engine core that hangs instead of dying, such as a pipeline stage whose peer's node "
-        "is gone. Keep it far above the longest step; null turns the watch off.",
+        DEFAULT_STALL_TIMEOUT_S, gt=0, description="Floor of the engine stall watch's timeout "
+        "(serve_app/engine/stall.py). A replica whose engine holds requests but finishes no "
+        "step for longer than max(this, 4 x the longest step seen), at two health checks in a "
+        "row, fails its health check: its engine processes are killed (the requests in it end "
+        "with an error) and Serve replaces it. Catches an engine core that hangs instead of "
+        "dying, such as a pipeline stage whose peer's node is gone. Default 300 s (vLLM's own "
+        "limit per execution) on GPUs; off (null) by default on `device: cpu`, where a loaded "
+        "machine makes long steps normal. Values below 300 s are for tests; null turns the "
+        "watch off.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stall_watch_off_on_cpu(cls, data: Any) -> Any:
+        """`engine_stall_timeout_s` left out on `device: cpu` means off (see its description)."""
+        if (isinstance(data, dict) and "engine_stall_timeout_s" not in data
+                and data.get("device") == "cpu"):
+            return {**data, "engine_stall_timeout_s": None}
+        return data
 
     @field_validator("name")
     @classmethod

@@ -13,7 +13,16 @@ from the model's ``engine_kwargs``:
 
 * ``max_num_seqs`` (default 256): the batch limit, as in vLLM;
 * ``max_num_batched_tokens`` (default 2048): reported as the step budget;
-* ``scripted_step_s`` (default 0.02): the time of one engine step.
+* ``scripted_step_s`` (default 0.02): the time of one engine step;
+* ``scripted_step_s_at`` (default none): ``{step number: seconds}``, steps that take longer
+  (numbered from 0, the engine's first step; a step runs only while there is work);
+* ``scripted_clock_scale`` (default 1): the engine's clock runs this many times faster than
+  real time. Step times and the stall watch read that clock, so a 90 s step at scale 5 passes
+  in 18 s of real time and the stall watch sees 90 s.
+
+The model's ``engine_stall_timeout_s`` runs the real :class:`serve_app.engine.stall.StallWatch`
+on the engine's clock, as the vLLM adapter runs it: its ``check_health`` fails when the watch
+declares a stall (the scripted engine has no processes to kill; its step loop is stopped).
 
 Each replica also records the order in which it started requests (:meth:`started_order`), which
 ordering tests read through ``LLMServer.engine_started_order``.
@@ -25,7 +34,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from serve_app.config import ModelSettings
 from serve_app.engine.protocol import (
@@ -35,6 +44,7 @@ from serve_app.engine.protocol import (
     GenerationChunk,
     GenerationRequest,
 )
+from serve_app.engine.stall import StallWatch
 
 SCRIPTED_ENGINE_CLASS = "serve_app.engine.scripted:ScriptedEngine"
 DEFAULT_STEP_S = 0.02
@@ -78,6 +88,11 @@ class ScriptedEngine:
         self.max_running = int(kwargs.get("max_num_seqs") or 256)
         self.step_tokens = int(kwargs.get("max_num_batched_tokens") or 2048)
         self.step_s = float(kwargs.get("scripted_step_s") or DEFAULT_STEP_S)
+        self.step_s_at = {int(k): float(v)
+                          for k, v in (kwargs.get("scripted_step_s_at") or {}).items()}
+        self.clock_scale = float(kwargs.get("scripted_clock_scale") or 1.0)
+        self.steps = 0
+        self.watch = StallWatch(settings.engine_stall_timeout_s)
         self._max_model_len = settings.max_model_len or DEFAULT_MAX_MODEL_LEN
         self._running: list[_Sequence] = []
         self._waiting: list[_Sequence] = []
@@ -86,6 +101,10 @@ class ScriptedEngine:
         self._prefill_tokens_avg = 0.0
         self._loop: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        origin = time.monotonic()
+        scale = self.clock_scale
+        # The engine's clock: real monotonic time, sped up by scripted_clock_scale.
+        self.clock: Callable[[], float] = lambda: origin + (time.monotonic() - origin) * scale
 
     async def start(self) -> None:
         self._loop = asyncio.create_task(self._run())
@@ -108,8 +127,15 @@ class ScriptedEngine:
         return list(self._started)
 
     async def check_health(self) -> None:
+        """Fail when the step loop is gone, or when the stall watch declares a stall on the
+        engine's clock (then the loop is stopped, as the vLLM adapter kills a stalled core)."""
         if self._loop is None or self._loop.done():
             raise RuntimeError("the scripted engine's step loop is not running")
+        stalled = self.watch.check(self.clock(), self.unfinished_requests())
+        if stalled is not None:
+            self._loop.cancel()
+            raise RuntimeError(f"the scripted engine has held requests for {stalled:.0f} s "
+                               f"without a step (stall timeout {self.watch.timeout_s:.0f} s)")
 
     async def shutdown(self) -> None:
         if self._loop is not None:
@@ -129,6 +155,7 @@ class ScriptedEngine:
                 f"the context length ({self._max_model_len})", param="max_tokens")
         seq = _Sequence(request, next(self._arrivals), prompt_tokens, max_tokens)
         self._prefill_tokens_avg += 0.1 * (prompt_tokens - self._prefill_tokens_avg)
+        self.watch.submitted(self.clock(), engine_idle=not self.unfinished_requests())
         self._waiting.append(seq)
         self._wake.set()
         try:
@@ -149,16 +176,19 @@ class ScriptedEngine:
             if not self._running and not self._waiting:
                 self._wake.clear()
                 await self._wake.wait()
-            started = time.monotonic()
+            started = self.clock()
             self._waiting.sort(key=lambda s: s.order)
             while self._waiting and len(self._running) < self.max_running:
                 seq = self._waiting.pop(0)
                 self._running.append(seq)
                 self._started.append(seq.request.request_id)
             del self._started[:-STARTED_ORDER_KEPT]
-            await asyncio.sleep(max(0.0, self.step_s - (time.monotonic() - started)))
+            step_s = self.step_s_at.get(self.steps, self.step_s)
+            self.steps += 1
+            await asyncio.sleep(max(0.0, step_s - (self.clock() - started)) / self.clock_scale)
             for seq in list(self._running):
                 self._emit(seq)
+            self.watch.stepped(self.clock(), bool(self._running or self._waiting))
 
     def _emit(self, seq: _Sequence) -> None:
         """One step's token for every choice of ``seq``; the last one finishes it."""

@@ -80,7 +80,7 @@ class VLLMEngine:
             logger.warning("disable_log_stats is set: the stall watch of %s is off (it needs "
                            "the engine's per-step stats)", self.settings.name)
         else:
-            self._stats.watch.timeout_s = self.settings.engine_stall_timeout_s
+            self._stats.watch.floor_s = self.settings.engine_stall_timeout_s
         loggers = [_stat_logger_factory(self._stats), *_ray_metrics_loggers()]
         # The defaults `vllm serve` gets: without this usage context an H200 engine gets a
         # 2,048-token step budget instead of 8,192 (measured: the stack then started a quarter
@@ -128,19 +128,27 @@ class VLLMEngine:
         return int(self._engine.output_processor.get_num_unfinished_requests())
 
     async def check_health(self) -> None:
-        """Raise when the engine core has exited, or has held requests without a step for
-        longer than the model's ``engine_stall_timeout_s`` (:mod:`serve_app.engine.stall`). A
-        stalled engine's processes are killed first, as if it had died: vLLM then ends every
-        request in it with an error at once (none waits for the replica to go), and its
-        devices are free even if the replica is later stopped without a graceful shutdown."""
+        """Raise when the engine core has exited, or when this check and the one before it
+        both found it holding requests without a step for longer than its stall timeout (the
+        model's ``engine_stall_timeout_s``, or more after long steps: see
+        :mod:`serve_app.engine.stall`). A stalled engine's processes are killed first, as if it
+        had died: vLLM then ends every request in it with an error at once (none waits for the
+        replica to go), and its devices are free even if the replica is later stopped without
+        a graceful shutdown."""
         await self._engine.check_health()
-        stalled = self._stats.watch.stalled_for(time.monotonic(), self.unfinished_requests())
+        watch = self._stats.watch
+        stalled = watch.check(time.monotonic(), self.unfinished_requests())
         if stalled is None:
+            if watch.overdue_checks:
+                logger.warning("the engine of %s has had a step due for longer than %.0f s; "
+                               "it is killed if the next health check finds it still due",
+                               self.settings.name, watch.timeout_s)
             return
         message = (f"the engine of {self.settings.name} has held requests for {stalled:.0f} s "
-                   "without a step (engine_stall_timeout_s="
-                   f"{self.settings.engine_stall_timeout_s}): a hung engine core, or a pipeline "
-                   "stage whose peer is gone")
+                   f"without a step (stall timeout {watch.timeout_s:.0f} s: "
+                   f"engine_stall_timeout_s={self.settings.engine_stall_timeout_s}, longest "
+                   f"step seen {watch.longest_step_s:.1f} s; {watch.overdue_checks} health "
+                   "checks in a row): a hung engine core, or a pipeline stage whose peer is gone")
         killed = _kill_child_processes()
         logger.error("%s; killed its processes %s so that Serve replaces this replica",
                      message, killed)
