@@ -10,7 +10,8 @@ CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
 .PHONY: install model prometheus observe grafana-files run test test-unit test-integration bench bench-agreement \
-	bench-fairness chaos dashboard-previews cluster-up cluster-down clean
+	bench-fairness chaos bench-vs-bare bench-flood bench-stream bench-ttft bench-parallel \
+	dashboard-previews cluster-up cluster-down clean
 
 install: $(VENV)/.installed
 
@@ -99,6 +100,31 @@ bench-fairness: install model
 CHAOS_ARGS ?=
 chaos: install model
 	$(BIN)/serve-app chaos --out bench/out/chaos $(CHAOS_ARGS)
+
+# On a GPU machine with the project installed (`pip install -e ".[gpu]"`; the scripts use
+# `python3`, or PYTHON=...): bare vLLM against the stack, both arms from the engine arguments of
+# GPU_CONFIG, results under bench/out (or $$OUT). On the lent GPU host, run the scripts through
+# ../shared/gpu/host.sh instead (docs/benchmarks.md). Figures: bench/RESULTS.md.
+GPU_CONFIG ?= deployments/gpu-1.yaml
+# Output throughput, TTFT, TPOT and ITL at c=1/64/256, both shapes, each arm on the whole GPU.
+bench-vs-bare:
+	bash bench/gpu_compare.sh 1024 128 32,256,512 1,64,256 $(GPU_CONFIG) --warmup 2
+	bash bench/gpu_compare.sh 128 1024 8,128,256 1,64,256 $(GPU_CONFIG) --warmup 2
+# A tenant flooding with 768 requests beside a quiet one: the quiet tenant's TTFT, both arms.
+bench-flood:
+	bash bench/gpu_flood.sh $(GPU_CONFIG) 45
+# Stream smoothness (ITL) of bare vLLM, the stack, and the stack with one message per chunk.
+bench-stream:
+	bash bench/gpu_stream.sh 128 1024 128,256 64,256 $(GPU_CONFIG) --warmup 2
+	bash bench/gpu_stream.sh 1024 128 128,256 64,256 $(GPU_CONFIG) --warmup 2
+# c=1 TTFT of bare vLLM and the stack measured in pairs, both servers on one GPU at once.
+bench-ttft:
+	UTIL=0.42 BUDGET_S=$${BUDGET_S:-1800} bash bench/gpu_paired_ttft.sh "1024/128/64 128/1024/64" $(GPU_CONFIG)
+# Two GPUs: RUN=tp2 | pp2-2nodes | 2replicas | pp2-node-loss (bench/gpu_parallel.sh).
+RUN ?=
+bench-parallel:
+	@test -n "$(RUN)" || { echo "set RUN=tp2|pp2-2nodes|2replicas|pp2-node-loss"; exit 2; }
+	bash bench/gpu_parallel.sh $(RUN)
 
 # A GPU cluster on AWS from cluster.yaml, with the app deployed on it. CLUSTER_CONFIG must bind
 # router.host 0.0.0.0 and list tenants (see the header of cluster.yaml).

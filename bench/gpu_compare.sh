@@ -5,6 +5,9 @@
 #
 # usage: bench/gpu_compare.sh IN_LEN OUT_LEN NUM_REQUESTS [CONCURRENCY] [CONFIG] [EXTRA_BENCH_ARGS...]
 #   e.g. bench/gpu_compare.sh 1024 128 32,256,512 1,64,256
+# On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_compare.sh ...` (frees the GPU
+# and ports an earlier command left, sets the bundle's environment); on your own GPU machine,
+# with the project installed, run it directly (`make bench-vs-bare`).
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
 IN=$1; OUTLEN=$2; NUM=$3; CONC=${4:-1,64,256}; CONFIG=${5:-deployments/gpu-1.yaml}

@@ -7,6 +7,9 @@
 #   ARM_BENCH="serve-app bench arguments" to also run the same benchmark against each arm's server
 #   after its flood (the stack's with the flood tenant's key): the throughput comparison of
 #   gpu_compare.sh without a second engine start per arm)
+# On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_flood.sh ...` (frees the GPU
+# and ports an earlier command left, sets the bundle's environment); on your own GPU machine,
+# with the project installed, run it directly (`make bench-flood`).
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
 CONFIG=${1:-deployments/gpu-1.yaml}; DUR=${2:-60}

@@ -21,6 +21,9 @@
 # load-IN-OUT.md (both arms' tables and their ratios) and per shape
 # paired-IN-OUT.md (the table) and paired-IN-OUT-pairs.csv (one row per pair); the tarball of
 # the logs holds paired-IN-OUT.json (every request) and the loads' results.
+# On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_paired_ttft.sh ...` (frees the GPU
+# and ports an earlier command left, sets the bundle's environment); on your own GPU machine,
+# with the project installed, run it directly (`make bench-ttft`).
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
 SHAPES=$1; CONFIG=${2:-deployments/gpu-1.yaml}

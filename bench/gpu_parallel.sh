@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The parallelism runs on a host with two GPUs (the `nvidia-h200-x2` kind), one run per command
-# (each fits one 10-minute call on a warm host; run them through bench/gpu_host.sh):
+# (each fits one 10-minute call on a warm host):
 #
 #   tp2         deployments/gpu-tp2.yaml (one replica, TP=2 over both GPUs): the GPU tests on it
 #               (placement.json), then c=1 TPOT of that replica and of one on one GPU
@@ -22,6 +22,9 @@
 #   NUMS="1024 512" (requests at c=512 and c=256), CONCS="512 256"
 # $OUT gets parallel-RUN.md (the figures) and the logs. Not yet run on a two-GPU host: the kind
 # was not lent when this was written (the scripts it reuses ran on one H200).
+# On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_parallel.sh ...` (frees the GPU
+# and ports an earlier command left, sets the bundle's environment); on your own GPU machine,
+# with the project installed, run it directly (`make bench-parallel RUN=...`).
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
 RUN=${1:?usage: bench/gpu_parallel.sh tp2|pp2-2nodes|2replicas|pp2-node-loss}

@@ -13,6 +13,9 @@
 # usage: bench/gpu_stream.sh IN_LEN OUT_LEN NUM_REQUESTS [CONCURRENCY] [CONFIG] [EXTRA_BENCH_ARGS...]
 #   env: ARMS="bare channels per-chunk", REPEAT=1, CACHED= (1: rerun run 1's prompts),
 #        PROFILE_C=256, PROFILE_S=12 (0: no profile)
+# On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_stream.sh ...` (frees the GPU
+# and ports an earlier command left, sets the bundle's environment); on your own GPU machine,
+# with the project installed, run it directly (`make bench-stream`).
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
 IN=$1; OUTLEN=$2; NUM=$3; CONC=${4:-1,64,256}; CONFIG=${5:-deployments/gpu-1.yaml}
