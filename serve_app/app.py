@@ -29,6 +29,7 @@ from serve_app.engine.placement import replica_placement
 from serve_app.engine.server import DEFAULT_ENGINE_CLASS, LLMServer
 from serve_app.ingress.router import OpenAIRouter
 from serve_app.routing.pinned import ROUTER_CLASS as PINNED_ROUTER_CLASS
+from serve_app.serve_private import with_version
 
 ROUTER_DEPLOYMENT = "Router"  # the name OpenAIRouter's @serve.deployment gives it
 GRACEFUL_SHUTDOWN_S = DEFAULT_DRAIN_TIMEOUT_S  # a model's drain_timeout_s by default
@@ -106,16 +107,16 @@ def build_app(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS) -> Ap
     config's code version instead and ignores these.)"""
     versions = deployment_versions(config, engine_class)
     servers = {
-        m.name: serve.deployment(LLMServer).options(**llm_server_options(m))
-        .options(_internal=True, version=versions[llm_server_name(m.name)])
+        m.name: with_version(serve.deployment(LLMServer).options(**llm_server_options(m)),
+                             versions[llm_server_name(m.name)])
         .bind(m.model_dump(mode="json"), engine_class)
         for m in config.models
     }
-    router = OpenAIRouter.options(
+    router = with_version(OpenAIRouter.options(
         num_replicas=config.router.num_replicas,
         max_ongoing_requests=config.router.max_ongoing_requests,
         ray_actor_options=router_actor_options(config),
-    ).options(_internal=True, version=versions[ROUTER_DEPLOYMENT])
+    ), versions[ROUTER_DEPLOYMENT])
     return router.bind(router_view(config).model_dump(mode="json"), servers)
 
 
@@ -153,7 +154,7 @@ def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CL
 def deployment_version(*init_args: Any) -> str:
     """A deployment's version: its constructor arguments and the code of ``serve_app``.
 
-    Serve's public API no longer takes versions (``_internal`` is how Serve sets them itself);
+    Serve's public API no longer takes versions (:func:`serve_app.serve_private.with_version`);
     an imperative deploy without one counts every deployment as changed. The code digest
     makes an upgrade of this package roll every deployment, as it must."""
     digest = hashlib.sha256(json.dumps(init_args, sort_keys=True, default=str).encode())

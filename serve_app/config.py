@@ -219,7 +219,7 @@ class ModelSettings(_Strict):
 
 
 class AdmissionSettings(_Strict):
-    """When the router releases a queued request to a model's engines (serve_app/routing/)."""
+    """When the router releases a queued request to a model's engines (serve_app/admission/)."""
 
     policy: Literal["engine_feedback", "fixed"] = Field(
         "engine_feedback", description="`engine_feedback`: release requests only while the "
@@ -313,12 +313,6 @@ class RouterSettings(_Strict):
         True, description="Streamed chunks after a request's first travel from each engine "
         "replica to each router replica batched: one message per engine step instead of one "
         "per stream (serve_app/engine/channel.py). Off: one Serve stream message per chunk.",
-    )
-    direct_start: bool = Field(
-        True, description="Each request also goes straight to the engine replica the router "
-        "chose, over a TCP socket, ahead of its Serve call: the engine starts while the call "
-        "is on its way (serve_app/engine/direct_start.py). The call stays the request (errors, "
-        "draining, aborts); off: the Serve call alone, routed by Serve's power-of-two choice.",
     )
     high_throughput: bool = Field(
         True,

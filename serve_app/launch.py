@@ -284,17 +284,16 @@ def _router_view(running: bool) -> dict[str, Any]:
     from ray import serve
 
     from serve_app.app import ROUTER_DEPLOYMENT
+    from serve_app.serve_private import route_on_serve_loop
 
     if not running:
         return {}
     try:
-        router = serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=APP_NAME)
-        if not router.is_initialized:
-            # Under RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (inherited by a command started beside the
-            # stack) a handle's router runs on the caller's event loop, and a caller without
-            # one is refused. A router on Serve's own thread answers from anywhere; a handle
-            # this process already uses keeps its own setting.
-            router._init(_run_router_in_separate_loop=True)
+        # Under RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (inherited by a command started beside the
+        # stack) a handle's router runs on the caller's event loop, and a caller without one
+        # is refused. A router on Serve's own thread answers from anywhere.
+        router = route_on_serve_loop(
+            serve.get_deployment_handle(ROUTER_DEPLOYMENT, app_name=APP_NAME))
         # A new driver's first call waits for Serve to tell it the router's replicas.
         return router.admission_state.remote().result(timeout_s=60)
     except Exception as exc:  # a status call must answer while the app is half up

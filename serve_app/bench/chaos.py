@@ -95,9 +95,12 @@ class Target:
 
     def engines(self) -> list[dict[str, Any]]:
         """Every live engine replica's load (running, waiting, KV-cache use, ...)."""
+        from serve_app.engine.protocol import EngineLoad
+
         response = self.server.broadcast("engine_load")
-        return [r for r in response.results(timeout_s=30, return_exceptions=True)
-                if isinstance(r, dict)]
+        return [asdict(r) for r in response.results(timeout_s=30,
+                                                     return_exceptions=True)
+                if isinstance(r, EngineLoad)]
 
     def admission(self) -> dict[str, Any]:
         return self.router.admission_state.remote().result(timeout_s=30)[self.model]

@@ -11,7 +11,7 @@ first travel batched across requests (:mod:`serve_app.engine.channel`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 
@@ -85,30 +85,6 @@ class GenerationRequest:
     # The router replica whose output channel carries the chunks after the first
     # (serve_app/engine/channel.py); None: every chunk comes back on the request's own stream.
     reply_to: str | None = None
-    # The router also sent this request over the replica's direct-start socket
-    # (serve_app/engine/direct_start.py): the Serve call claims the engine stream it started.
-    sent_direct: bool = False
-
-    def to_wire(self) -> tuple[Any, ...]:
-        """This request as builtins only (msgpack, for the direct-start socket)."""
-        s = self.sampling
-        return (self.request_id, tuple(getattr(s, f) for f in _SAMPLING_FIELDS), self.prompt,
-                self.prompt_token_ids, self.messages, self.add_special_tokens, self.cache_salt,
-                self.priority, self.stream, self.reply_to, self.sent_direct)
-
-    @classmethod
-    def from_wire(cls, wire: tuple[Any, ...] | list[Any]) -> "GenerationRequest":
-        """The request :meth:`to_wire` encoded (tuples or the lists msgpack turns them into).
-        Raises TypeError or ValueError on anything else."""
-        (request_id, sampling, prompt, prompt_token_ids, messages, add_special_tokens,
-         cache_salt, priority, stream, reply_to, sent_direct) = wire
-        if not isinstance(request_id, str) or len(sampling) != len(_SAMPLING_FIELDS):
-            raise ValueError("not a GenerationRequest wire form")
-        return cls(request_id, SamplingOptions(*sampling), prompt, prompt_token_ids, messages,
-                   add_special_tokens, cache_salt, priority, stream, reply_to, sent_direct)
-
-
-_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingOptions))
 
 
 @dataclass(slots=True)
@@ -123,7 +99,7 @@ class ChoiceDelta:
 
 
 # (index, text, num_tokens, finish_reason, stop_reason) per choice with news, then prompt_tokens,
-# finished, timing and replica. msgpack hands tuples back as lists; from_wire takes either.
+# finished, timing and replica. A transport may hand tuples back as lists; from_wire takes either.
 WireDelta = tuple[int, str, int, "str | None", "int | str | None"]
 WireChunk = tuple[tuple[WireDelta, ...], int, bool, "dict[str, float] | None", "str | None"]
 
@@ -157,23 +133,32 @@ class GenerationChunk:
 
     @classmethod
     def from_wire(cls, wire: WireChunk | list[Any]) -> "GenerationChunk":
-        """The chunk :meth:`to_wire` encoded (tuples or the lists msgpack turns them into)."""
+        """The chunk :meth:`to_wire` encoded (tuples, or lists where a transport made them so)."""
         deltas, prompt_tokens, finished, timing, replica = wire
         return cls([ChoiceDelta(*d) for d in deltas], prompt_tokens, finished, timing, replica)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """Engine occupancy as of its latest scheduler step, read by admission and autoscaling.
+    """One engine replica's load: the one record the engine, the routers' engine feed, the
+    capacity policies, autoscaling and `serve-app status` share.
+
+    The engine fills the first six fields (:meth:`Engine.load`, as of its latest scheduler
+    step); the replica adds the rest when it answers ``LLMServer.engine_load``.
 
     ``running``: requests the engine has started (decoding or in a chunked prefill).
     ``waiting``: requests it holds but could not start (token budget, KV cache, max_num_seqs).
     ``kv_cache_usage``: fraction of KV-cache blocks in use (0..1).
-    ``max_running``: the most requests the engine runs at once (vLLM's ``max_num_seqs``).
+    ``max_running``: the most requests the engine runs at once (vLLM's ``max_num_seqs``; 0:
+    unknown).
     ``step_tokens``: tokens one engine step may process (``max_num_batched_tokens``).
     ``prefill_tokens_avg``: prompt tokens recent requests needed computed (moving average): the
     prompt less what the engine's prefix cache held, so a step starts as many prompts as it
     really can; 0 before the first request.
+    ``replica``: Serve's id of the replica; ``node``: the Ray node it runs on.
+    ``active``: requests the replica is serving (tokenizing, in the engine, streaming out).
+    ``requests_total``: requests it has taken since it started (how evenly routers spread them).
+    ``unfinished``: requests the engine front end still tracks (drops once aborts are processed).
     """
 
     running: int
@@ -182,6 +167,24 @@ class EngineLoad:
     max_running: int = 0
     step_tokens: int = 0
     prefill_tokens_avg: float = 0.0
+    replica: str = ""
+    node: str = ""
+    active: int = 0
+    requests_total: int = 0
+    unfinished: int = 0
+
+    @property
+    def step_intake(self) -> int:
+        """About how many waiting prompts one engine step can start (0: unknown)."""
+        if self.step_tokens <= 0 or self.prefill_tokens_avg <= 0:
+            return 0
+        return int(self.step_tokens // max(1.0, self.prefill_tokens_avg))
+
+    @property
+    def in_engine(self) -> int:
+        """Requests on this replica, counted where they are most: sent to it (``active``) or
+        held by its engine (a request the engine still runs after its stream was cancelled)."""
+        return max(self.active, self.running + self.waiting)
 
 
 @runtime_checkable

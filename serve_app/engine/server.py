@@ -6,6 +6,7 @@ stand-in engine while production uses :class:`serve_app.engine.vllm_adapter.VLLM
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import time
@@ -13,8 +14,7 @@ from typing import Any, AsyncIterator
 
 from serve_app.config import ModelSettings
 from serve_app.engine.channel import Batch, OutputChannels
-from serve_app.engine.direct_start import DirectStarts
-from serve_app.engine.protocol import Engine, GenerationRequest, WireChunk
+from serve_app.engine.protocol import Engine, EngineLoad, GenerationRequest, WireChunk
 
 logger = logging.getLogger(__name__)
 
@@ -52,40 +52,23 @@ class LLMServer:
         self.node_id = _node_id()
         self.channels = OutputChannels()
         await self.engine.start()
-        # Routers may start requests here over a socket ahead of their Serve call
-        # (serve_app/engine/direct_start.py); they learn its address from engine_load.
-        self.direct = DirectStarts(self.engine.generate)
-        await self.direct.listen(_node_ip())
 
-    async def generate(self, request: GenerationRequest, prefer_replica: str | None = None
-                       ) -> AsyncIterator[WireChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[WireChunk]:
         """Stream the engine's chunks for ``request`` in their wire form
         (:meth:`GenerationChunk.from_wire` reads them); cancellation aborts the engine's work.
 
         With ``request.reply_to`` (a router replica's id) only the first chunk, which names
         this replica, comes back here; the later ones go through that router's output channel
         (:mod:`serve_app.engine.channel`) while this stream stays open until the engine is
-        done with the request. With ``request.sent_direct`` the engine may have started on the
-        request already (:mod:`serve_app.engine.direct_start`): this call takes that stream
-        over. ``prefer_replica`` is for Serve's request router (the replica the router chose),
-        not used here."""
+        done with the request."""
         self.active += 1
         self.requests_total += 1
         router = request.reply_to
         first = True
-        started = self.direct.claim(request.request_id) if request.sent_direct else None
-        chunks = started.chunks if started is not None else self.engine.generate(request)
+        chunks = self.engine.generate(request)
         try:
             if router is not None:
                 self.channels.begin(router)
-            if started is not None:  # the engine is on it already: its first chunk, then on
-                try:
-                    chunk = await started.first
-                except StopAsyncIteration:
-                    return
-                first = False
-                chunk.replica = self.replica_id
-                yield chunk.to_wire()
             async for chunk in chunks:
                 if first:
                     first = False
@@ -99,12 +82,9 @@ class LLMServer:
             self.active -= 1
             if router is not None:
                 self.channels.end(router)
-            if started is not None:
-                await started.close()
-            else:
-                aclose = getattr(chunks, "aclose", None)
-                if aclose is not None:  # cancelled or failed mid-way: the engine stops now
-                    await aclose()
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:  # cancelled or failed mid-way: the engine stops now
+                await aclose()
 
     async def channel(self, router_id: str, target_replica: str) -> AsyncIterator[Batch]:
         """The output channel of router replica ``router_id`` on this replica: batches of
@@ -121,33 +101,23 @@ class LLMServer:
         return {"name": self.settings.name, "max_model_len": self.engine.max_model_len}
 
     async def engine_load(self, router_id: str | None = None, router_queued: int = 0
-                          ) -> dict[str, Any]:
+                          ) -> EngineLoad:
         """This replica's load, for the routers' admission and for tests (cheap, no I/O).
 
         A router calling it (broadcast to every replica) also reports how many requests of this
         model it holds in its queue: the replicas pass that backlog on to the autoscaler."""
         if router_id is not None:
             self._backlog[router_id] = (router_queued, time.monotonic())
+        return self.load()
+
+    def load(self) -> EngineLoad:
+        """The engine's load with this replica's own fields filled in."""
         load = self.engine.load()
         unfinished = getattr(self.engine, "unfinished_requests", None)
-        return {
-            "replica": self.replica_id,
-            "node": self.node_id,
-            "active": self.active,
-            "requests_total": self.requests_total,
-            "running": load.running,
-            "waiting": load.waiting,
-            "kv_cache_usage": load.kv_cache_usage,
-            "max_running": load.max_running,
-            "step_tokens": load.step_tokens,
-            "prefill_tokens_avg": load.prefill_tokens_avg,
-            "unfinished": unfinished() if unfinished else load.running + load.waiting,
-            "direct": self.direct.address,
-            "direct_key": self.direct.key,
-            "direct_started": self.direct.started,
-            "direct_claimed": self.direct.claimed,
-            "direct_orphaned": self.direct.orphaned,
-        }
+        return dataclasses.replace(
+            load, replica=self.replica_id, node=self.node_id, active=self.active,
+            requests_total=self.requests_total,
+            unfinished=unfinished() if unfinished else load.running + load.waiting)
 
     async def engine_started_order(self) -> list[str]:
         """Request ids in the order this replica's engine started them, where the engine
@@ -166,8 +136,7 @@ class LLMServer:
         """Custom metrics for :mod:`serve_app.autoscaling` (Serve calls this every
         ``metrics_interval_s``). ``in_engine``: this replica's own requests; ``router_queued``:
         the model's backlog in the routers, the same figure on every replica."""
-        load = self.engine.load()
-        return {"in_engine": float(max(self.active, load.running + load.waiting)),
+        return {"in_engine": float(self.load().in_engine),
                 "router_queued": float(self.router_backlog())}
 
     async def check_health(self) -> None:
@@ -176,24 +145,9 @@ class LLMServer:
 
     async def __del__(self) -> None:
         # The constructor may have failed before the engine existed.
-        direct = getattr(self, "direct", None)
-        if direct is not None:
-            await direct.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.shutdown()
-
-
-def _node_ip() -> str:
-    """The address routers on other nodes reach this replica at (loopback outside Ray)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # pragma: no cover - Ray without a node address
-        pass
-    return "127.0.0.1"
 
 
 def _node_id() -> str:

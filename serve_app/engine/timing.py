@@ -13,8 +13,7 @@ Phases, in order (milliseconds):
 * ``queue``: waiting in the router's fair queue for an admission slot;
 * ``dispatch``: admission -> the first chunk back at the router (everything below, plus the hop
   router -> replica -> router through Ray Serve);
-* ``hop_in``: the router's call -> the replica's engine call entered (with direct start, the
-  request's socket frame, :mod:`serve_app.engine.direct_start`; else Serve's routing, the gRPC
+* ``hop_in``: the router's call -> the replica's engine call entered (Serve's routing, the gRPC
   request, the replica's request wrapper);
 * ``replica``: the replica's ``generate`` call -> the engine's first output there; made of
 * ``tokenize``: rendering and encoding the prompt on the replica;

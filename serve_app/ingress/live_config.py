@@ -11,18 +11,29 @@ arguments, router settings) is deployment structure: changing it redeploys (see
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
-from typing import Any
+import logging
+import time
+from typing import TYPE_CHECKING, Any
 
-from serve_app.config import TenantSettings
+from pydantic import ValidationError
+
+from serve_app.config import AppConfig, TenantSettings
+from serve_app.serve_private import kv_get, kv_put
+
+if TYPE_CHECKING:
+    from serve_app.ingress.tenants import TenantGate
+    from serve_app.tenancy.keys import Tenant
+
+logger = logging.getLogger(__name__)
 
 REFRESH_S = 1.0
-_NAMESPACE = "serve_app"
 
 
-def _key(app_name: str, what: str = "tenants") -> bytes:
-    return f"{app_name}/{what}".encode()
+def _key(app_name: str, what: str = "tenants") -> str:
+    return f"{app_name}/{what}"
 
 
 def tenants_version(tenants: list[TenantSettings]) -> str:
@@ -34,20 +45,15 @@ def tenants_version(tenants: list[TenantSettings]) -> str:
 def publish_tenants(app_name: str, tenants: list[TenantSettings]) -> str:
     """Make ``tenants`` the live tenant list of ``app_name`` (needs a connected Ray driver or
     worker); returns its version."""
-    from ray.experimental.internal_kv import _internal_kv_put
-
     version = tenants_version(tenants)
     record = {"version": version, "tenants": [t.model_dump(mode="json") for t in tenants]}
-    _internal_kv_put(_key(app_name), json.dumps(record).encode(), overwrite=True,
-                     namespace=_NAMESPACE)
+    kv_put(_key(app_name), json.dumps(record).encode())
     return version
 
 
 def read_tenants(app_name: str) -> tuple[str, list[TenantSettings]] | None:
     """The live tenant list of ``app_name`` and its version; None if none was published."""
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    raw: Any = _internal_kv_get(_key(app_name), namespace=_NAMESPACE)
+    raw = kv_get(_key(app_name))
     if not raw:
         return None
     record = json.loads(raw)
@@ -57,15 +63,88 @@ def read_tenants(app_name: str) -> tuple[str, list[TenantSettings]] | None:
 def publish_config(app_name: str, config: dict[str, Any]) -> None:
     """Record the whole config last deployed as ``app_name`` (what `serve-app deploy` compares
     a new config with, and `serve-app status` reports)."""
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(_key(app_name, "config"), json.dumps(config).encode(), overwrite=True,
-                     namespace=_NAMESPACE)
+    kv_put(_key(app_name, "config"), json.dumps(config).encode())
 
 
 def read_config(app_name: str) -> dict[str, Any] | None:
     """The config last deployed as ``app_name`` (JSON form), or None."""
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    raw: Any = _internal_kv_get(_key(app_name, "config"), namespace=_NAMESPACE)
+    raw = kv_get(_key(app_name, "config"))
     return json.loads(raw) if raw else None
+
+
+class LiveTenants:
+    """One router replica's copy of the live tenant list, kept current in the background.
+
+    :meth:`authenticate` is the pipeline's first step: it returns once the list has been read
+    at least once by this replica (a replica started after a tenant change must not accept a
+    revoked key even once), then resolves the key. The first call starts the task that re-reads
+    the list every ``REFRESH_S``: the store read (a thread hop and a GCS round trip) used to run
+    inline on every request that found the list a second old, which at c=1 was most of them,
+    on their time to first token. Single-threaded (the router's event loop)."""
+
+    def __init__(self, config: AppConfig, gate: TenantGate, app_name: str) -> None:
+        self.config = config
+        self.gate = gate
+        self.app_name = app_name
+        self.version = tenants_version(config.tenants)
+        self._checked = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._read = asyncio.Event()
+
+    async def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of an ``Authorization`` header by the current list, or a 401."""
+        await self.current()
+        return self.gate.authenticate(authorization)
+
+    async def current(self) -> None:
+        """Return once the live list has been read at least once (free after that)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._keep_current())
+        if not self._read.is_set():
+            await self._read.wait()
+
+    async def _keep_current(self) -> None:
+        """Re-read the live tenant list every REFRESH_S, for the life of the replica."""
+        while True:
+            try:
+                await self.refresh(force=True)
+            except Exception:  # never let the refresher die: the next round tries again
+                logger.exception("live tenant refresh failed")
+            self._read.set()
+            await asyncio.sleep(REFRESH_S)
+
+    async def refresh(self, force: bool = False) -> None:
+        """Adopt the live tenant list if a deploy published a new one (unless ``force``, at
+        most one store read per REFRESH_S; a record that does not validate against this app is
+        refused and logged, and the current tenants stay)."""
+        now = time.monotonic()
+        if not force and now - self._checked < REFRESH_S:
+            return
+        self._checked = now
+        try:
+            live = await asyncio.to_thread(read_tenants, self.app_name)
+        except Exception:
+            logger.warning("could not read the live tenant list; keeping %s", self.version,
+                           exc_info=True)
+            return
+        if live is None or live[0] == self.version:
+            return
+        version, tenants = live
+        try:
+            config = AppConfig.model_validate({
+                **self.config.model_dump(mode="json"),
+                "tenants": [t.model_dump(mode="json") for t in tenants]})
+        except ValidationError as err:
+            logger.error("live tenant list %s refused, keeping %s: %s", version, self.version,
+                         err)
+            return
+        self.config = config
+        self.gate.set_tenants(config.tenants)
+        logger.info("tenants: version %s -> %s (%d tenants)", self.version, version,
+                    len(config.tenants))
+        self.version = version
+
+    async def state(self) -> dict[str, Any]:
+        """The tenant list this router replica enforces now (version and names)."""
+        await self.refresh()
+        return {"version": self.version, "tenants": [t.name for t in self.config.tenants]}

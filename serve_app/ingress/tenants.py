@@ -13,7 +13,8 @@ from typing import Any, Sequence
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from serve_app.config import AppConfig, TenantSettings
-from serve_app.ingress.admission import AdmissionController
+from serve_app.admission.controller import AdmissionController
+from serve_app.engine.protocol import EngineLoad
 from serve_app.ingress.errors import OpenAIError
 from serve_app.observability.metrics import (
     LATENCY_BUCKETS_S,
@@ -21,7 +22,6 @@ from serve_app.observability.metrics import (
     ROUTER_METRICS,
     exported_name,
 )
-from serve_app.routing.capacity import ReplicaLoad
 from serve_app.tenancy.fair_queue import BANDS
 from serve_app.tenancy.keys import KeyRing, Tenant
 from serve_app.tenancy.quota import QuotaBook
@@ -53,7 +53,6 @@ class TenantGate:
         self._live = _metric(Gauge, "live_replicas", "gauge", ("model",))
         self._demand = _metric(Gauge, "demand", "gauge", ("model",))
         self._target = _metric(Gauge, "target_per_replica", "gauge", ("model",))
-        self._direct_starts = _metric(Counter, "direct_starts", "counter", ("model", "how"))
         self._targets = {m.name: m.target_per_replica for m in config.models}
         self._queued_now: dict[str, int] = {}
         self._queued_bands: dict[str, dict[str, int]] = {}
@@ -81,17 +80,12 @@ class TenantGate:
         for band, n in self._queued_bands.get(model, {}).items():
             self._queued.set(n, tags={"model": model, "priority": band})
 
-    def engine_started(self, model: str, how: str) -> None:
-        """Count how a request's engine started: ``direct``, ``serve`` or ``elsewhere``
-        (serve_app/engine/direct_start.py)."""
-        self._direct_starts.inc(tags={"model": model, "how": how})
-
-    def engines_polled(self, model: str, replicas: Sequence[ReplicaLoad], capacity: int) -> None:
+    def engines_polled(self, model: str, replicas: Sequence[EngineLoad], capacity: int) -> None:
         """Publish what the engine feed of ``model`` saw: capacity, live replicas, demand."""
         tags = {"model": model}
         self._capacity.set(capacity, tags=tags)
         self._live.set(len(replicas), tags=tags)
-        in_engines = sum(max(r.active, r.running + r.waiting) for r in replicas)
+        in_engines = sum(r.in_engine for r in replicas)
         self._demand.set(in_engines + self._queued_now.get(model, 0), tags=tags)
         self._target.set(self._targets.get(model, 0), tags=tags)
         # Re-record the queue depth too: a gauge left unrecorded while requests pass straight

@@ -202,16 +202,6 @@ def serving_dashboard() -> dict[str, Any]:
                  "{{model}}")], "percentunit", 12, 88,
                f"Streamed requests whose first token came within {TTFT_SLO_S} s of arrival at "
                f"the router (the alert's objective is {TTFT_SLO_TARGET:.0%})."),
-        _panel(25, "How requests reached their engine",
-               [(f"sum by (model, how) "
-                 f"(rate({_sel('ray_serve_app_direct_starts_total')}{rate}))",
-                 "{{model}} {{how}}")], "reqps", 0, 96,
-               "direct: the engine started from the router's socket frame, ahead of the Serve "
-               "call (router.direct_start); serve: the Serve call alone (a socket to that "
-               "replica was still opening, or failed: see the routers' logs); elsewhere: Serve "
-               "sent the call to another replica (the chosen one was stopping) and the direct "
-               "start there was aborted. Mostly serve means the time to first token pays "
-               "Serve's hop again."),
     ]
     return {
         "uid": "serve-app-serving",

@@ -86,11 +86,6 @@ METRICS: dict[str, Metric] = {
                "requests in the model's engines (what autoscaling sizes replicas for)."),
         Metric("ray_serve_app_autoscaling_target_per_replica", "gauge", "router",
                "Demand one replica of a model is sized for (autoscaling.target_per_replica)."),
-        Metric("ray_serve_app_direct_starts_total", "counter", "router",
-               "Requests by how their engine started (router.direct_start on): how=direct "
-               "(from the router's socket frame, ahead of the Serve call), serve (the Serve "
-               "call alone: no socket to that replica yet), elsewhere (Serve sent the call to "
-               "another replica than the frame; that start was aborted)."),
     ]
 }
 
@@ -106,7 +101,6 @@ ROUTER_METRICS = {
     "live_replicas": "serve_app_model_live_replicas",
     "demand": "serve_app_model_demand",
     "target_per_replica": "serve_app_autoscaling_target_per_replica",
-    "direct_starts": "serve_app_direct_starts",
 }
 
 # Histogram buckets (seconds) of the router's latency metrics.

@@ -5,19 +5,14 @@ A router replica opens its output channel (:mod:`serve_app.engine.channel`) on o
 engine replica, the one serving its requests; Serve's handles have no call for that, but they
 ask the deployment's request router where each call goes. A call with a ``target_replica``
 keyword goes to that replica only, or waits while it is not a candidate (not yet running, or
-stopping: the caller bounds the wait). A call with a ``prefer_replica`` keyword (a request the
-router also started there directly, :mod:`serve_app.engine.direct_start`) goes to that replica
-while it is a candidate, else where Serve's choice sends it. Every other call is routed as
-Serve routes it by default.
+stopping: the caller bounds the wait). Every other call (every request) is routed as Serve
+routes it by default.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Serve's default router lives in a private module; the public ray.serve.request_router
-# exports only the base class and mixins. Its choice procedure is reused as it is.
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
     LocalityMixin,
     MultiplexMixin,
@@ -26,17 +21,17 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from serve_app.serve_private import PowerOfTwoChoicesRequestRouter
+
 TARGET_KWARG = "target_replica"
-PREFER_KWARG = "prefer_replica"
 ROUTER_CLASS = "serve_app.routing.pinned:PinnedOrPowerOfTwoRouter"
 
 
-def pinned_target(pending_request: PendingRequest | None, kwarg: str = TARGET_KWARG
-                  ) -> str | None:
-    """The replica id a call names in ``kwarg``, if any."""
+def pinned_target(pending_request: PendingRequest | None) -> str | None:
+    """The replica id a call names in ``target_replica``, if any."""
     if pending_request is None:
         return None
-    target: Any = pending_request.kwargs.get(kwarg)
+    target: Any = pending_request.kwargs.get(TARGET_KWARG)
     return target if isinstance(target, str) else None
 
 
@@ -54,10 +49,5 @@ class PinnedOrPowerOfTwoRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if target is not None:
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             return [pinned] if pinned else []
-        preferred = pinned_target(pending_request, PREFER_KWARG)
-        if preferred is not None:
-            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == preferred]
-            if chosen:
-                return [chosen]
         return await PowerOfTwoChoicesRequestRouter.choose_replicas(
             self, candidate_replicas, pending_request)  # type: ignore[arg-type]

@@ -10,6 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serve_app.engine.protocol import EngineLoad
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "tiny-llama"
 MODEL = "tiny-llama"
@@ -117,7 +119,7 @@ def client(stack):
         yield c
 
 
-def engine_load(stack) -> dict[str, int]:
+def engine_load(stack) -> EngineLoad:
     return stack["server"].engine_load.remote().result(timeout_s=30)
 
 

@@ -11,10 +11,10 @@ from tests.integration.conftest import engine_load
 pytestmark = pytest.mark.integration
 
 
-def _wait_idle(stack, seconds: float) -> dict[str, int]:
+def _wait_idle(stack, seconds: float):
     deadline = time.time() + seconds
     load = engine_load(stack)
-    while time.time() < deadline and (load["running"] or load["unfinished"]):
+    while time.time() < deadline and (load.running or load.unfinished):
         time.sleep(0.1)
         load = engine_load(stack)
     return load
@@ -38,11 +38,11 @@ def test_stream_disconnect_aborts_engine_request(stack, path, body):
                 if seen >= 3:
                     break
             # The engine is busy with our request right now ...
-            assert engine_load(stack)["unfinished"] >= 1
+            assert engine_load(stack).unfinished >= 1
         # ... and leaving the `with` closed the connection mid-stream.
     t0 = time.time()
     load = _wait_idle(stack, 5)
-    assert load["unfinished"] == 0 and load["running"] == 0, load
+    assert load.unfinished == 0 and load.running == 0, load
     assert time.time() - t0 < 2.5
 
 
@@ -64,7 +64,7 @@ def test_non_streaming_disconnect_aborts_engine_request_regression_haproxy_splic
                 c.post(path, json=payload)
         t0 = time.time()
         load = _wait_idle(stack, 5)
-        assert load["unfinished"] == 0 and load["running"] == 0, (attempt, load)
+        assert load.unfinished == 0 and load.running == 0, (attempt, load)
         assert time.time() - t0 < 2.0, attempt
 
 
@@ -131,4 +131,4 @@ def test_queued_clients_that_leave_free_their_places_at_once(stack):
     assert elapsed < 2.0, (f"queued clients' places were freed after {elapsed:.2f} s; "
                            f"before: {base}; after the clients left: {trace[::5]}")
     load = _wait_idle(stack, 10)
-    assert load["unfinished"] == 0 and load["running"] == 0, load
+    assert load.unfinished == 0 and load.running == 0, load

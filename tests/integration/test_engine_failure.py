@@ -90,7 +90,7 @@ def test_engine_death_is_a_503_and_the_replica_recovers(stack):
     new_cores = _engine_core_processes(model)
     assert len(new_cores) == 1 and new_cores[0].pid != cores[0].pid
     load = stack["server"].engine_load.remote().result(timeout_s=30)
-    assert load["unfinished"] == 0, load
+    assert load.unfinished == 0, load
 
 
 def _gone(proc: psutil.Process) -> bool:

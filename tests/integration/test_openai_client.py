@@ -51,7 +51,7 @@ def test_router_reaches_engines_over_grpc_regression_handles_from_the_driver_use
         stack):
     """The suite's stack runs Serve's throughput-optimized data plane: the router's calls to
     the engine replicas go over its gRPC transport, not as the Ray actor calls the driver's
-    handles default to (serve_app/ingress/transport.py)."""
+    handles default to (serve_app/serve_private.py)."""
     from tests.integration.conftest import admission_state
 
     assert admission_state(stack)["transport"] == "grpc"
@@ -128,22 +128,14 @@ def test_server_timing_phases_add_up(client, stack, stream):
     assert abs(hop - phases["dispatch"]) < 0.5, phases
 
 
-def test_requests_start_on_their_engine_directly(oai, stack):
-    """``router.direct_start`` (on by default): each request also reaches the engine replica
-    over its socket ahead of the Serve call, the call claims what the socket started (the
-    engine ran it once, the client got a whole answer), and nothing was left to the orphan
-    timer, not even by the disconnect tests before this one (the router aborts what it gives
-    up)."""
-    from tests.integration.conftest import admission_state, engine_load, wait_until
+def test_every_request_reaches_its_engine_through_its_serve_call_once(oai, stack):
+    """One request path: each request is one Serve call to the LLMServer deployment (counted by
+    Serve for ``max_ongoing_requests``, draining and autoscaling), and its engine runs it once:
+    the replicas' request count grows by exactly the requests sent, and nothing is left
+    unfinished in the engine."""
+    from tests.integration.conftest import engine_load, wait_until
 
-    def sent_direct_after_one() -> bool:  # the socket opens after the router first sees the
-        # replica: until then a request goes by Serve alone
-        sent = admission_state(stack)["direct_sent"]
-        oai.completions.create(model=stack["model"], prompt="warm", max_tokens=1)
-        return admission_state(stack)["direct_sent"] > sent
-
-    wait_until(sent_direct_after_one, 30, 0.2)
-    before, sent_before = engine_load(stack), admission_state(stack)["direct_sent"]
+    before = engine_load(stack).requests_total
     for n in range(6):
         if n % 2:
             text = "".join(c.choices[0].text for c in oai.completions.create(
@@ -154,12 +146,9 @@ def test_requests_start_on_their_engine_directly(oai, stack):
                 model=stack["model"], messages=[{"role": "user", "content": f"Hi {n}"}],
                 max_tokens=5, extra_body={"ignore_eos": True}).choices[0].message.content
         assert text
-    after, sent = engine_load(stack), admission_state(stack)["direct_sent"] - sent_before
-    assert sent == 6, sent  # the socket is open: every request went by it
-    assert after["direct_started"] - before["direct_started"] == sent
-    assert after["direct_claimed"] - before["direct_claimed"] == sent
-    assert after["direct_orphaned"] == 0
-    assert after["unfinished"] == 0
+    after = wait_until(lambda: (x := engine_load(stack)).unfinished == 0 and x.active == 0
+                       and x, 30)
+    assert after.requests_total - before == 6
 
 
 def test_status_shows_each_engine_replica_with_its_node_and_requests_taken(oai, stack):

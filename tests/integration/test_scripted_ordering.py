@@ -173,9 +173,9 @@ def test_requests_cancelled_at_any_moment_leave_no_slot_behind(scripted):
     asyncio.run(main())
     state = wait_until(lambda: (x := s["state"]())["in_flight"] == 0 and x["queued"] == 0
                        and x, 30)
-    load = wait_until(lambda: (x := s["load"]())["unfinished"] == 0 and x["active"] == 0
+    load = wait_until(lambda: (x := s["load"]()).unfinished == 0 and x.active == 0
                       and x, 30)
-    assert state["capacity"] >= BATCH and load["running"] == 0
+    assert state["capacity"] >= BATCH and load.running == 0
     # And the model still serves.
     ids: list = []
 

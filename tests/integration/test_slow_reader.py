@@ -30,7 +30,7 @@ def test_a_client_that_stops_reading_is_cut_and_frees_its_request(stack, client)
         t0 = time.monotonic()
         # Nothing is read: the socket fills, a write waits, the stall watch cuts the stream.
         wait_until(lambda: admission_state(stack)["in_flight"] == 0
-                   and engine_load(stack)["running"] == 0, 120, 0.2)
+                   and engine_load(stack).running == 0, 120, 0.2)
         held_s = time.monotonic() - t0
         # Read what the kernel holds: the server closed the connection mid-stream.
         sock.settimeout(30)

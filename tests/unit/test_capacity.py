@@ -6,15 +6,17 @@ import asyncio
 
 import pytest
 
-from serve_app.ingress.admission import AdmissionController, NoReplicaInTime
-from serve_app.routing.capacity import COLD_START_PROBE, ReplicaLoad, capacity_policy
-from serve_app.routing.engine_feedback import EngineFeedbackCapacity
-from serve_app.routing.fixed import FixedCapacity
+from serve_app.admission.controller import AdmissionController, NoReplicaInTime
+from serve_app.admission import COLD_START_PROBE, capacity_policy
+from serve_app.admission.engine_feedback import EngineFeedbackCapacity
+from serve_app.admission.fixed import FixedCapacity
+from serve_app.engine.protocol import EngineLoad
 from serve_app.tenancy.fair_queue import engine_priority
 
 
-def load(active=0, running=0, waiting=0, kv=0.0, max_running=512, name="r0") -> ReplicaLoad:
-    return ReplicaLoad(name, active, running, waiting, kv, max_running)
+def load(active=0, running=0, waiting=0, kv=0.0, max_running=512, name="r0") -> EngineLoad:
+    return EngineLoad(running, waiting, kv_cache_usage=kv, max_running=max_running, replica=name,
+                      active=active)
 
 
 def policy(headroom=4, kv_high=0.95, bound=None) -> EngineFeedbackCapacity:
@@ -116,18 +118,18 @@ def test_admission_ranks_engine_priority_by_band_then_tenant_in_flight():
 def test_engine_queue_holds_one_steps_worth_of_prompts():
     """Regression (H200 flood): a fixed queue of 4 let the engine start 4 prompts per step when
     its 8,192-token budget had room for 8 of 1,024 tokens."""
-    r = ReplicaLoad("r0", active=300, running=292, waiting=8, max_running=512, step_tokens=8192,
+    r = EngineLoad(replica="r0", active=300, running=292, waiting=8, max_running=512, step_tokens=8192,
                     prefill_tokens_avg=1024.0)
     assert r.step_intake == 8
     p = policy()
     p.capacity([r], 1)
     # 8 pending = what the next step starts; plus the headroom of 4.
     assert p.capacity([r], 1) == 292 + 8 + 4
-    short = ReplicaLoad("r1", active=100, running=100, waiting=0, max_running=512,
+    short = EngineLoad(replica="r1", active=100, running=100, waiting=0, max_running=512,
                         step_tokens=8192, prefill_tokens_avg=128.0)
     assert policy().capacity([short], 1) == 100 + 64 + 4
     # Cached prefixes: 1,024-token prompts of which 16 tokens need computing start 128 a step.
-    cached = ReplicaLoad("r2", active=300, running=292, waiting=20, max_running=512,
+    cached = EngineLoad(replica="r2", active=300, running=292, waiting=20, max_running=512,
                          step_tokens=2048, prefill_tokens_avg=16.0)
     assert cached.step_intake == 128
     assert policy().capacity([cached], 1) == 292 + 128 + 4
@@ -171,7 +173,7 @@ def test_the_engine_never_holds_more_than_its_batch_plus_headroom():
     top of the free places, and the limit was relative to the router's in-flight count, which
     still held requests whose responses were being sent (their places counted twice)."""
     p = policy(headroom=2)
-    r = ReplicaLoad("r0", active=0, running=0, waiting=0, max_running=8, step_tokens=2048,
+    r = EngineLoad(replica="r0", active=0, running=0, waiting=0, max_running=8, step_tokens=2048,
                     prefill_tokens_avg=2.0)
     p._steps["r0"] = (0, 8)  # the previous step had grown by a whole batch
     assert p.capacity([r], 1) == 8 + 2
@@ -180,7 +182,7 @@ def test_the_engine_never_holds_more_than_its_batch_plus_headroom():
 def test_short_prompts_do_not_flood_a_full_batch():
     # 2,048-token steps and 5-token prompts: "one step's worth" would be 400 requests, but a
     # full batch starts only as many as finish; the engine queue stays at the headroom.
-    r = ReplicaLoad("r0", active=8, running=8, waiting=0, max_running=8, step_tokens=2048,
+    r = EngineLoad(replica="r0", active=8, running=8, waiting=0, max_running=8, step_tokens=2048,
                     prefill_tokens_avg=5.0)
     assert policy().capacity([r], 1) == 8 + 4
 

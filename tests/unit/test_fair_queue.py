@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from serve_app.ingress.admission import AdmissionController, QueueFull
+from serve_app.admission.controller import AdmissionController, QueueFull
 from serve_app.tenancy.fair_queue import FairQueue, service_of
 
 

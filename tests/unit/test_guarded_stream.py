@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from starlette.requests import ClientDisconnect
 
-from serve_app.ingress.router import GuardedStreamingResponse
+from serve_app.ingress.streaming import GuardedStreamingResponse
 
 
 def _scope() -> dict:

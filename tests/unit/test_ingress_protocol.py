@@ -8,7 +8,7 @@ from serve_app.engine.protocol import ChoiceDelta, GenerationChunk
 from serve_app.ingress.errors import OpenAIError
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import DONE_EVENT, ResponseBuilder
-from serve_app.ingress.router import parse_request
+from serve_app.ingress.http import parse_request
 
 
 def _bad(model_cls, body) -> OpenAIError:

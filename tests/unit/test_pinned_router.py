@@ -5,12 +5,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from serve_app.routing.pinned import (
-    PREFER_KWARG,
-    TARGET_KWARG,
-    PinnedOrPowerOfTwoRouter,
-    pinned_target,
-)
+from serve_app.routing.pinned import TARGET_KWARG, PinnedOrPowerOfTwoRouter, pinned_target
 
 
 def _replica(uid: str) -> SimpleNamespace:
@@ -34,30 +29,24 @@ def test_a_pinned_call_to_a_replica_that_is_not_a_candidate_waits():
     assert _choose([_replica("a")], {TARGET_KWARG: "gone"}) == []
 
 
-def test_a_preferred_replica_gets_the_call_while_it_is_a_candidate():
-    a, b = _replica("a"), _replica("b")
-    assert _choose([a, b], {PREFER_KWARG: "b"}) == [[b]]
-
-
-def test_a_call_preferring_a_gone_replica_is_routed_as_serve_routes_it():
-    """The router started the request on a replica that is stopping: the call must still be
-    served (the orphaned start is aborted there), not wait like a pinned one."""
+def test_an_unpinned_call_is_routed_as_serve_routes_it():
+    """Every request (no ``target_replica``) goes through Serve's own power-of-two choice."""
     calls = []
 
     async def pow2(self, candidates, pending_request=None):
         calls.append([r.replica_id.unique_id for r in candidates])
         return [candidates[:1]]
 
-    from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+    from serve_app.serve_private import PowerOfTwoChoicesRequestRouter
 
     original = PowerOfTwoChoicesRequestRouter.choose_replicas
     PowerOfTwoChoicesRequestRouter.choose_replicas = pow2  # type: ignore[method-assign]
     try:
-        a = _replica("a")
-        assert _choose([a], {PREFER_KWARG: "gone"}) == [[a]]
+        a, b = _replica("a"), _replica("b")
+        assert _choose([a, b], {}) == [[a]]
     finally:
         PowerOfTwoChoicesRequestRouter.choose_replicas = original  # type: ignore[method-assign]
-    assert calls == [["a"]]
+    assert calls == [["a", "b"]]
 
 
 def test_only_a_string_target_pins():

@@ -7,9 +7,7 @@ import asyncio
 from serve_app.engine.protocol import ChoiceDelta, GenerationChunk
 from serve_app.ingress.channels import ChannelTicket
 from serve_app.ingress.responses import ResponseBuilder
-from serve_app.ingress.router import OpenAIRouter
-
-ROUTER = OpenAIRouter.func_or_class
+from serve_app.ingress.pipeline import RequestPipeline
 
 
 class _RecordingChannels:
@@ -52,7 +50,7 @@ def test_channel_opens_after_the_first_event_regression_channel_open_sat_on_ttft
         first = GenerationChunk([ChoiceDelta(0, "a", 1)], 3, False, None, "replica-1")
         ticket = ChannelTicket("cmpl-1")
         own = _OwnStream()
-        body = ROUTER._sse(None, own, first, ticket, _RecordingChannels(log), builder, False,
+        body = RequestPipeline._sse(own, first, ticket, _RecordingChannels(log), builder, False,
                            lambda status: log.append(f"end {status}"))
         async for event in body:
             log.append("event" if b"data: {" in event else event.decode().strip())

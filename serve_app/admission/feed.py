@@ -19,8 +19,9 @@ from typing import Callable, Sequence
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AdmissionSettings
-from serve_app.ingress.admission import AdmissionController
-from serve_app.routing.capacity import CapacityPolicy, ReplicaLoad
+from serve_app.admission.controller import AdmissionController
+from serve_app.admission.policy import CapacityPolicy
+from serve_app.engine.protocol import EngineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class EngineFeed:
     def __init__(self, model: str, handle: DeploymentHandle, admission: AdmissionController,
                  policy: CapacityPolicy, settings: AdmissionSettings, num_routers: int,
                  router_id: str,
-                 on_poll: Callable[[str, Sequence[ReplicaLoad], int], None] | None = None
+                 on_poll: Callable[[str, Sequence[EngineLoad], int], None] | None = None
                  ) -> None:
         self.model = model
         self.handle = handle
@@ -42,7 +43,7 @@ class EngineFeed:
         self.settings = settings
         self.num_routers = num_routers
         self.router_id = router_id
-        self.replicas: list[ReplicaLoad] = []  # as of the last successful poll
+        self.replicas: list[EngineLoad] = []  # as of the last successful poll
         self.polled_at = 0.0
         self._on_poll = on_poll or (lambda *_: None)
         self._task: asyncio.Task[None] | None = None
@@ -53,7 +54,7 @@ class EngineFeed:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def poll(self) -> list[ReplicaLoad] | None:
+    async def poll(self) -> list[EngineLoad] | None:
         """The live replicas' loads, or None when the poll failed or timed out (the previous
         view then stands: a slow answer must not look like a model without replicas)."""
         response = self.handle.broadcast("engine_load", self.router_id,
@@ -69,9 +70,9 @@ class EngineFeed:
             return None
         self._failures = 0
         # A replica that raised (dying, or stopping) is not live for admission.
-        return [ReplicaLoad.from_report(r) for r in results if isinstance(r, dict)]
+        return [r for r in results if isinstance(r, EngineLoad)]
 
-    def apply(self, replicas: list[ReplicaLoad]) -> int:
+    def apply(self, replicas: list[EngineLoad]) -> int:
         """Set the admission capacity from ``replicas``; returns it."""
         self.replicas = replicas
         self.polled_at = time.monotonic()

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from serve_app.routing.capacity import COLD_START_PROBE, ReplicaLoad, share
+from serve_app.admission.policy import COLD_START_PROBE, share
+from serve_app.engine.protocol import EngineLoad
 
 
 class EngineFeedbackCapacity:
@@ -45,7 +46,7 @@ class EngineFeedbackCapacity:
         self.upper_bound = upper_bound
         self._steps: dict[str, tuple[int, int]] = {}  # replica -> (running, growth)
 
-    def _growth(self, r: ReplicaLoad) -> int:
+    def _growth(self, r: EngineLoad) -> int:
         if r.replica not in self._steps:  # first sight: no step to compare with yet
             self._steps[r.replica] = (r.running, 0)
             return 0
@@ -55,7 +56,7 @@ class EngineFeedbackCapacity:
             self._steps[r.replica] = (r.running, growth)
         return growth
 
-    def replica_target(self, r: ReplicaLoad) -> int:
+    def replica_target(self, r: EngineLoad) -> int:
         """Requests this replica's engine should hold now: what it runs plus what it may wait."""
         growth = self._growth(r)
         free = r.max_running - r.running if r.max_running > 0 else None
@@ -72,7 +73,7 @@ class EngineFeedbackCapacity:
             room = min(room, free + self.headroom)
         return r.running + room
 
-    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int) -> int:
+    def capacity(self, replicas: Sequence[EngineLoad], num_routers: int) -> int:
         live = {r.replica for r in replicas}
         for gone in [k for k in self._steps if k not in live]:
             del self._steps[gone]

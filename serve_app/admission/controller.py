@@ -8,8 +8,8 @@ engine's batch, and the engines' load that sets ``capacity`` counts sequences. C
 
 Holding the queue here rather than in vLLM's waiting queue is what makes priorities and fairness
 real: the engines only ever see requests the router chose to release. ``capacity`` is not a
-constant: :class:`serve_app.ingress.engine_feed.EngineFeed` sets it from the engines' live load
-many times a second (:mod:`serve_app.routing`), so it follows what the engines start and how many
+constant: :class:`serve_app.admission.feed.EngineFeed` sets it from the engines' live load
+many times a second (:mod:`serve_app.admission`), so it follows what the engines start and how many
 replicas exist. Below capacity a request passes straight through (no queue, no extra hop).
 """
 

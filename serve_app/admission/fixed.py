@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from serve_app.routing.capacity import COLD_START_PROBE, ReplicaLoad, share
+from serve_app.admission.policy import COLD_START_PROBE, share
+from serve_app.engine.protocol import EngineLoad
 
 
 class FixedCapacity:
@@ -16,7 +17,7 @@ class FixedCapacity:
         self.per_replica = per_replica
         self.upper_bound = upper_bound
 
-    def capacity(self, replicas: Sequence[ReplicaLoad], num_routers: int) -> int:
+    def capacity(self, replicas: Sequence[EngineLoad], num_routers: int) -> int:
         if not replicas:
             return COLD_START_PROBE
         return share(self.per_replica * len(replicas), num_routers, self.upper_bound)

@@ -1,0 +1,355 @@
+"""The request pipeline of one router replica, in the order a generation request meets it:
+
+1. **authenticate**: API key -> tenant, by the live tenant list
+   (:meth:`serve_app.ingress.live_config.LiveTenants.authenticate`; 401);
+2. **read**: a bounded body, validated into its OpenAI model (:mod:`serve_app.ingress.http`;
+   400/413), and the model resolved for the tenant (404);
+3. **quota**: the tenant's rate and token limits (:meth:`TenantGate.admit`; 429 + Retry-After);
+4. **admit**: a place in the model's in-flight limit, waiting in the fair queue while there is
+   none (:mod:`serve_app.admission`; 429 when the band's queue is full, 503 when no replica
+   came up in time);
+5. **dispatch**: one Serve call to the LLMServer deployment, whose request router picks the
+   replica; the first chunk is awaited before the HTTP response starts, so errors the engine
+   finds (context too long, bad token ids) are real 4xx status codes, not errors inside a 200;
+6. **stream**: SSE events (later chunks through the output channels,
+   :mod:`serve_app.ingress.channels`) or one JSON body;
+7. **finish**: once, however the request ended (completed, failed, client gone): the engine
+   work is cancelled if unfinished, the admission place freed, the tenant charged its tokens.
+
+A client that goes away at any point, queued, in prefill or streaming, cancels its request and
+the engine's work with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from serve_app.admission.controller import (
+    AdmissionController,
+    NoReplicaInTime,
+    QueueFull,
+    Slot,
+)
+from serve_app.admission.feed import EngineFeed
+from serve_app.config import RouterSettings
+from serve_app.engine.protocol import EngineRequestError, GenerationChunk
+from serve_app.engine.timing import server_timing_header, with_router_phases
+from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
+from serve_app.ingress.errors import OpenAIError
+from serve_app.ingress.http import disconnected, parse_request, read_json_body
+from serve_app.ingress.live_config import LiveTenants
+from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.ingress.responses import Kind, ResponseBuilder
+from serve_app.ingress.stall import StallWatch
+from serve_app.ingress.streaming import GuardedStreamingResponse
+from serve_app.ingress.tenants import TenantGate
+from serve_app.tenancy.fair_queue import service_of
+from serve_app.tenancy.keys import Tenant
+
+logger = logging.getLogger(__name__)
+
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
+
+
+class RequestPipeline:
+    """Serves generation requests for one router replica (see the module docstring).
+
+    ``streams`` maps served model names to streaming handles of their LLMServer deployments;
+    ``admission``, ``feeds`` and ``channels`` are keyed the same way (``channels`` only when
+    ``router.output_channels`` is on)."""
+
+    def __init__(self, settings: RouterSettings, tenants: LiveTenants,
+                 streams: dict[str, DeploymentHandle],
+                 admission: dict[str, AdmissionController], feeds: dict[str, EngineFeed],
+                 channels: dict[str, ModelChannels], router_id: str) -> None:
+        self.settings = settings
+        self.tenants = tenants
+        self.streams = streams
+        self.admission = admission
+        self.feeds = feeds
+        self.channels = channels
+        self.router_id = router_id
+        # Streams whose client stopped reading are cut (serve_app/ingress/stall.py).
+        self.stall_watch = StallWatch(settings.stream_stall_timeout_s)
+        self._started = False
+
+    @property
+    def gate(self) -> TenantGate:
+        """The tenant gate (its keys and limits follow the live tenant list)."""
+        return self.tenants.gate
+
+    # -- models a tenant sees ---------------------------------------------------------------
+    def visible(self, tenant: Tenant) -> list[str]:
+        """The served models ``tenant`` may use; the others do not exist for it."""
+        return [m for m in self.streams if tenant.may_use(m)]
+
+    def model_handle(self, model: str, tenant: Tenant) -> DeploymentHandle:
+        """``model``'s handle, or the same 404 whether it is not served or not allowed to
+        ``tenant`` (the message lists only the tenant's own models)."""
+        handle = self.streams.get(model)
+        if handle is None or not tenant.may_use(model):
+            raise OpenAIError(404, f"The model `{model}` does not exist. Available models: "
+                              f"{', '.join(self.visible(tenant))}", param="model",
+                              code="model_not_found")
+        return handle
+
+    # -- the pipeline ---------------------------------------------------------------------------
+    async def handle(self, http_request: Request, model_cls: type[OpenAIRequest], kind: Kind,
+                     id_prefix: str) -> Response:
+        """Serve one generation request through every step; a non-streaming request finishes
+        here, a stream when its response ends."""
+        arrived = time.monotonic()
+        self._start_feeds()
+        tenant = await self.tenants.authenticate(http_request.headers.get("authorization"))
+        label, status, builder, streaming = "", 500, None, False
+        slot = Slot()
+        try:
+            req = await self._read(http_request, model_cls)
+            # Only served names become metric labels: client strings must not grow the series.
+            label = req.model if req.model in self.streams else "unknown"
+            builder = ResponseBuilder(kind, f"{id_prefix}{uuid.uuid4().hex}", req.model, req.n)
+            response = await self._serve(http_request, req, builder, tenant, slot, arrived)
+            status, streaming = response.status_code, isinstance(response, StreamingResponse)
+            return response
+        except OpenAIError as err:
+            status = err.status_code
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            if not streaming:
+                self._finish(tenant, label, status, builder, slot)
+
+    def _start_feeds(self) -> None:
+        """On the first request: publish the queue gauges and start the engine feeds. Gauges
+        set in the replica's constructor never reach Prometheus (measured: the series stayed
+        absent), and the feeds need the replica's event loop."""
+        if self._started:
+            return
+        self._started = True
+        for name, controller in self.admission.items():
+            self.gate.queue_changed(name, controller)
+            self.feeds[name].start()
+
+    async def _read(self, http_request: Request, model_cls: type[OpenAIRequest]
+                    ) -> OpenAIRequest:
+        req = parse_request(model_cls, await read_json_body(http_request,
+                                                            self.settings.max_body_bytes))
+        # Before anything sized by `n` exists: the response builder allocates one choice per
+        # `n`, and an n of 10**12 once took the router replica's memory and event loop (found
+        # by the schema fuzzer).
+        if req.n > self.settings.max_n:
+            raise OpenAIError(400, f"n must be at most {self.settings.max_n}", param="n")
+        return req
+
+    def _finish(self, tenant: Tenant, label: str, status: int,
+                builder: ResponseBuilder | None, slot: Slot) -> None:
+        """Account an ended request to its tenant and free its admission place."""
+        prompt, completion = (builder.prompt_tokens, builder.completion_tokens) \
+            if builder is not None else (0, 0)
+        self.gate.finish(tenant, label, status, prompt, completion)
+        slot.release(service_of(prompt, completion))
+
+    async def _serve(self, http_request: Request, req: OpenAIRequest, builder: ResponseBuilder,
+                     tenant: Tenant, slot: Slot, arrived: float) -> Response:
+        handle = self.model_handle(req.model, tenant)
+        self.gate.admit(tenant)  # quota
+        # From here until the response starts, watch the client: one that leaves while its
+        # request is queued or in prefill frees its place and the engine at once.
+        gone = asyncio.ensure_future(disconnected(http_request.receive))
+        start = asyncio.ensure_future(self._admit_and_dispatch(handle, req, builder, tenant,
+                                                               slot, arrived))
+        try:
+            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            gone.cancel()
+            start.cancel()
+            raise
+        if not start.done():  # the client left first
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)  # its cleanup has run
+            return Response(status_code=499)
+        try:
+            gen, first, ticket = start.result()
+        except BaseException:
+            gone.cancel()
+            raise
+        if req.stream:  # a non-streaming response has no first token before its last one
+            self.gate.first_token(tenant, req.model, time.monotonic() - arrived)
+        headers = {"X-Request-Id": builder.request_id}
+        if self.settings.server_timing and first.timing:
+            headers["Server-Timing"] = server_timing_header(first.timing)
+        if req.stream:
+            return self._stream(req, gen, first, ticket, builder, tenant, slot, gone, headers)
+        return await self._collect_json(gen, first, builder, gone, headers)
+
+    async def _admit_and_dispatch(self, handle: DeploymentHandle, req: OpenAIRequest,
+                                  builder: ResponseBuilder, tenant: Tenant, slot: Slot,
+                                  arrived: float
+                                  ) -> tuple[DeploymentResponseGenerator, GenerationChunk,
+                                             ChannelTicket | None]:
+        """Wait for an admission place, send the request to the model's deployment, await its
+        first chunk. A streamed request's later chunks come through the model's output
+        channels when ``router.output_channels`` is on: the ticket says where."""
+        try:
+            await slot.acquire(self.admission[req.model], tenant.name, tenant.priority, req.n)
+        except QueueFull:
+            self.gate.refund(tenant)  # refused: the request costs no quota
+            raise OpenAIError(429, f"{req.model} is at capacity and the {tenant.priority}-"
+                              "priority queue is full; retry shortly", code="queue_full",
+                              headers={"Retry-After": "1"}) from None
+        except NoReplicaInTime:
+            raise OpenAIError(503, f"{req.model} has no replica running yet and none started "
+                              f"within {self.settings.admission.cold_start_timeout_s:g} s; "
+                              "retry shortly", headers={"Retry-After": "5"}) from None
+        admitted = time.monotonic()
+        self.gate.admitted(tenant, req.model, admitted - arrived)
+        generation = req.to_generation(builder.request_id)
+        generation.cache_salt = tenant.cache_salt  # from the tenant, never from the client
+        generation.priority = slot.priority
+        generation.stream = req.stream
+        channels = self.channels.get(req.model) if req.stream else None
+        ticket = None
+        if channels is not None:
+            generation.reply_to = self.router_id
+            ticket = channels.register(builder.request_id)
+        sent = time.monotonic()
+        gen: DeploymentResponseGenerator = handle.generate.remote(generation)
+        try:
+            first = await _first_chunk(gen)
+            if self.settings.server_timing:  # the router's phases beside the replica's
+                first.timing = with_router_phases(first.timing, arrived, admitted, sent,
+                                                  time.monotonic())
+            return gen, first, ticket
+        except BaseException:
+            gen.cancel()
+            if channels is not None and ticket is not None:
+                channels.release(ticket)
+            raise
+
+    def _stream(self, req: OpenAIRequest, gen: DeploymentResponseGenerator,
+                first: GenerationChunk, ticket: ChannelTicket | None, builder: ResponseBuilder,
+                tenant: Tenant, slot: Slot, gone: asyncio.Future[None],
+                headers: dict[str, str]) -> StreamingResponse:
+        ended = False
+
+        def end(status: int) -> None:
+            """Once per stream, however it ends: stop the engine work, account it."""
+            nonlocal ended
+            if not ended:
+                ended = True
+                # A completed stream's own Serve stream ends by itself (with channels it may
+                # still be closing): cancelling it would abort a finished request.
+                if status != 200 or ticket is None:
+                    gen.cancel()
+                if ticket is not None:
+                    self.channels[req.model].release(ticket)
+                self._finish(tenant, req.model, status, builder, slot)
+
+        return GuardedStreamingResponse(
+            self._sse(gen, first, ticket, self.channels.get(req.model), builder,
+                      req.include_usage, end),
+            on_abandon=end, stall_watch=self.stall_watch, client_gone=gone,
+            media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+
+    async def _collect_json(self, gen: DeploymentResponseGenerator, first: GenerationChunk,
+                            builder: ResponseBuilder, gone: asyncio.Future[None],
+                            headers: dict[str, str]) -> Response:
+        collect = asyncio.ensure_future(_collect(gen, first, builder))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left (or we were cancelled): stop the engine
+                collect.cancel()
+                gen.cancel()
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed"
+        if collect.exception() is not None:  # the engine failed mid-request: our fault
+            logger.error("engine request failed mid-way", exc_info=collect.exception())
+            raise OpenAIError(503, "the model failed while generating; retry shortly",
+                              headers={"Retry-After": "1"})
+        return JSONResponse(builder.body(), headers=headers)
+
+    @staticmethod
+    async def _sse(gen: DeploymentResponseGenerator, first: GenerationChunk,
+                   ticket: ChannelTicket | None, channels: ModelChannels | None,
+                   builder: ResponseBuilder, include_usage: bool,
+                   end: Callable[[int], None]) -> AsyncIterator[bytes]:
+        """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
+        The tenant is charged what was generated, however the stream ended."""
+        status = 499  # until the stream completes or fails: the client went away
+        try:
+            yield builder.events(first)
+            if not first.finished:
+                if ticket is not None and channels is not None:
+                    # Only once the first event is out: after a replica's idle close this
+                    # opens a channel (a Serve call), which sat on the request's TTFT; the
+                    # chunks wait in the replica's outbox meanwhile.
+                    channels.attach(ticket, first.replica)
+                    async for chunk in chunks_after_first(gen, ticket):
+                        yield builder.events(chunk)
+                else:
+                    async for wire in gen:
+                        yield builder.events(GenerationChunk.from_wire(wire))
+            yield builder.final_events(include_usage)
+            status = 200
+        except Exception:
+            status = 503
+            logger.exception("stream failed mid-way")
+            err = {"error": {"message": "the stream was interrupted by a server fault",
+                             "type": "server_error", "param": None, "code": None}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:
+            end(status)
+
+
+async def _collect(gen: DeploymentResponseGenerator, first: GenerationChunk,
+                   builder: ResponseBuilder) -> None:
+    try:
+        builder.add(first)
+        if not first.finished:
+            async for wire in gen:
+                builder.add(GenerationChunk.from_wire(wire))
+    finally:
+        gen.cancel()  # no-op once the stream ended; aborts the engine work if cancelled
+
+
+async def _first_chunk(gen: DeploymentResponseGenerator) -> GenerationChunk:
+    """The request's first chunk; the engine's refusal of the request becomes its 4xx."""
+    try:
+        return GenerationChunk.from_wire(await gen.__anext__())
+    except StopAsyncIteration:
+        raise OpenAIError(503, "the engine ended the request without output") from None
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        engine_error = _engine_error(exc)
+        if engine_error is not None:
+            raise OpenAIError(engine_error.status_code, engine_error.message,
+                              param=engine_error.param, code=engine_error.code) from None
+        logger.exception("engine request failed")
+        raise OpenAIError(503, "the model is unavailable right now; retry shortly",
+                          headers={"Retry-After": "1"}) from None
+
+
+def _engine_error(exc: BaseException) -> EngineRequestError | None:
+    """The EngineRequestError inside ``exc`` as Ray delivers it (wrapped or as its cause)."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if isinstance(seen, EngineRequestError):
+            return seen
+        if seen is None:
+            return None
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    return None

@@ -1,0 +1,78 @@
+"""Every private Ray Serve (and Ray) API this project uses, in one place.
+
+Each one is here because the public API has no way to do what it does; each has a guard test
+in ``tests/unit/test_serve_private.py`` that fails loudly, naming the API, when a Ray upgrade
+moves or changes it (Ray is pinned; read those tests before bumping it).
+
+* :func:`with_version`: ``Deployment.options(_internal=True, version=...)``. Serve's public
+  API no longer takes versions; without one an imperative deploy counts every deployment as
+  changed and replaces every replica (engines too) on every deploy.
+* :func:`on_data_plane` / :func:`uses_grpc`: a handle's ``_by_reference`` option and
+  ``RAY_SERVE_USE_GRPC_BY_DEFAULT``. A handle keeps the transport default of the process that
+  built it (the driver); the router replica must use its own data plane's (gRPC under
+  ``RAY_SERVE_THROUGHPUT_OPTIMIZED``): as Ray actor calls a stream's first item took
+  1.9-2.2 ms against 0.9-1.1 ms over gRPC (bench/RESULTS.md 12c).
+* :func:`route_on_serve_loop`: ``DeploymentHandle._init(_run_router_in_separate_loop=True)``,
+  so a caller without an event loop can use a handle under the throughput-optimized mode
+  (`serve-app status`).
+* :data:`PowerOfTwoChoicesRequestRouter`: Serve's default replica choice, which the public
+  ``ray.serve.request_router`` does not export; the LLMServer's request router reuses it.
+* :func:`kv_put` / :func:`kv_get`: Ray's internal key-value store (the GCS), where the live
+  tenant list and the last deployed config live (``ray.experimental.internal_kv``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.deployment import Deployment
+from ray.serve.handle import DeploymentHandle
+
+_KV_NAMESPACE = "serve_app"
+
+
+def with_version(deployment: Deployment, version: str) -> Deployment:
+    """``deployment`` with Serve's code version set to ``version``: a redeploy replaces its
+    replicas only when the version changes, and applies option changes in place."""
+    return deployment.options(_internal=True, version=version)
+
+
+def on_data_plane(handle: DeploymentHandle) -> DeploymentHandle:
+    """``handle`` with the transport of this process's Serve data plane (gRPC in the
+    throughput-optimized mode), whatever the process that built it used."""
+    return handle.options(_by_reference=not RAY_SERVE_USE_GRPC_BY_DEFAULT)
+
+
+def uses_grpc(handle: DeploymentHandle) -> bool:
+    """Whether calls through ``handle`` go over Serve's gRPC transport."""
+    return not handle.handle_options._by_reference
+
+
+def route_on_serve_loop(handle: DeploymentHandle) -> DeploymentHandle:
+    """Make ``handle`` route its calls on Serve's own thread, unless it already routes (a
+    handle this process already uses keeps its setting). Returns ``handle``."""
+    if not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=True)
+    return handle
+
+
+def kv_put(key: str, value: bytes) -> None:
+    """Store ``value`` under ``key`` in the cluster's key-value store (needs a connected Ray
+    driver or worker); it outlives every replica."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key.encode(), value, overwrite=True, namespace=_KV_NAMESPACE)
+
+
+def kv_get(key: str) -> bytes | None:
+    """The value stored under ``key``, or None."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw: Any = _internal_kv_get(key.encode(), namespace=_KV_NAMESPACE)
+    return raw or None
+
+
+__all__ = ["PowerOfTwoChoicesRequestRouter", "kv_get", "kv_put", "on_data_plane",
+           "route_on_serve_loop", "uses_grpc", "with_version"]
