@@ -4,7 +4,7 @@
 # A server left running by an earlier command (one cut off by its time limit survives in its
 # own session) answered on port 8000 while the arm meant to be measured failed to bind it, and
 # wait_ready took the old server for the new one: a whole arm measured the wrong server (seen
-# 2026-12-02, bench/RESULTS.md section 12).
+# 2026-12-02, bench/RESULTS-archive.md section 12).
 
 require_free_port() {  # port: fail loudly when something listens there
   if python3 - "$1" <<'PY'

@@ -10,7 +10,7 @@ the stack's added latency. At c=1 only one request is on the GPU at a time.
 Each request starts after ``--gap-ms`` of quiet: the request before it, on the other server,
 leaves work behind it (its engine's last steps, metric exports): on the H200, 128 in / 1024
 out, the stack's TTFT was 2.8 ms longer when it went right after bare vLLM's 5 s stream than
-when it went first (bench/RESULTS.md 12d). The table shows each order's median as well.
+when it went first (bench/RESULTS-archive.md 12d). The table shows each order's median as well.
 
 With ``--a-metrics`` (server A's Prometheus endpoint, bare vLLM's ``/metrics``) the table also
 has A's engine-side means over the measured requests, vLLM's own histograms: its TTFT from the
