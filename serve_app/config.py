@@ -320,6 +320,46 @@ class RouterSettings(_Strict):
         "Python HTTP proxy, gRPC between replicas, direct ingress. Set on every node before "
         "Ray starts (serve-app run does it for a local instance).",
     )
+    haproxy_admin_host: str = Field(
+        "127.0.0.1", description="Address HAProxy's stats page (no authentication) and its "
+        "Prometheus exporter bind (serve_app/ingress/haproxy.py). Loopback by default; "
+        "`0.0.0.0` (or one interface's address) opens them, e.g. for a Prometheus on another "
+        "host. The OpenAI port is `host`.",
+    )
+    haproxy_stats_port: int = Field(
+        8404, ge=1, le=65535, description="Port of HAProxy's stats page. Two stacks on one "
+        "host need different ones.",
+    )
+    haproxy_metrics_port: int = Field(
+        9101, ge=1, le=65535, description="Port of HAProxy's Prometheus exporter. Two stacks "
+        "on one host need different ones.",
+    )
+    fallback_proxy_port: int = Field(
+        8500, ge=1, le=65535, description="Port of Serve's fallback HTTP proxy on the head "
+        "node (HAProxy sends requests there while no router replica is up), on `host`. Two "
+        "stacks on one host need different ones.",
+    )
+
+    @field_validator("haproxy_admin_host")
+    @classmethod
+    def _admin_host(cls, value: str) -> str:
+        if not re.fullmatch(r"[0-9A-Za-z.:*-]{1,253}", value):
+            raise ValueError(f"{value!r} is not an IP address or host name; use e.g. "
+                             "127.0.0.1 (the default) or 0.0.0.0")
+        return value
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> RouterSettings:
+        ports = {"port": self.port, "haproxy_stats_port": self.haproxy_stats_port,
+                 "haproxy_metrics_port": self.haproxy_metrics_port,
+                 "fallback_proxy_port": self.fallback_proxy_port}
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                raise ValueError(f"router.{name} and router.{seen[port]} are both {port}; "
+                                 "give each its own port")
+            seen[port] = name
+        return self
 
     @field_validator("resources")
     @classmethod

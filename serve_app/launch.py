@@ -6,19 +6,26 @@ engine processes and Ray Serve's HAProxy outlive a parent that was SIGKILLed (se
 the next engine found 11 GiB free of 140, and HAProxy held ports 8000, 8404 and 9101). Ray's own
 processes share the fate of the driver that started them; those two do not. Stopping the stack
 removes the same kind of leftovers of its own.
+
+Then, still before Ray starts, every port the stack will listen on is checked
+(:func:`check_ports`): a port another program or another stack holds fails at once with
+:class:`PortInUseError`, which names the port and the setting that moves it, instead of a
+HAProxy that crashes inside Serve a minute later.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_app.config import APP_NAME, AppConfig
+from serve_app.config import APP_NAME, AppConfig, ConfigError
 from serve_app.ingress import haproxy
 
 logger = logging.getLogger(__name__)
@@ -95,12 +102,71 @@ def reap_leftovers(timeout_s: float = 10.0) -> list[Leftover]:
     return leftovers
 
 
+class PortInUseError(ConfigError):
+    """A port the local stack must listen on is taken. ``port`` and ``setting`` (the config
+    field that moves it) say which; raised before Ray starts."""
+
+    def __init__(self, message: str, port: int, setting: str) -> None:
+        super().__init__(message)
+        self.port = port
+        self.setting = setting
+
+
+def stack_ports(config: AppConfig) -> list[tuple[str, int, str, str]]:
+    """(host, port, setting, what) of every port a local stack for ``config`` listens on at a
+    fixed number: the OpenAI endpoint, and with the HAProxy data plane HAProxy's stats page and
+    metrics exporter and Serve's fallback proxy. (Ray's own ports are picked free by Ray.)"""
+    r = config.router
+    ports = [(r.host, r.port, "router.port", "the OpenAI endpoint")]
+    if r.high_throughput:
+        ports += [
+            (r.haproxy_admin_host, r.haproxy_stats_port, "router.haproxy_stats_port",
+             "HAProxy's stats page"),
+            (r.haproxy_admin_host, r.haproxy_metrics_port, "router.haproxy_metrics_port",
+             "HAProxy's Prometheus exporter"),
+            (r.host, r.fallback_proxy_port, "router.fallback_proxy_port",
+             "Serve's fallback proxy"),
+        ]
+    return ports
+
+
+def check_ports(config: AppConfig) -> None:
+    """Raise :class:`PortInUseError` for the first of :func:`stack_ports` that cannot be bound
+    now (another stack or program listens there), ConfigError for a host that is not this
+    machine's. Binds as the servers will (SO_REUSEADDR: a port left in TIME_WAIT is free)."""
+    for host, port, setting, what in stack_ports(config):
+        bind_host = "" if host in ("*", "0.0.0.0") else host
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                bind_host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        except socket.gaierror as err:
+            raise ConfigError(f"{setting.rsplit('.', 1)[0]} host {host!r} does not resolve "
+                              f"({err}); use an address of this machine") from None
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    raise PortInUseError(
+                        f"port {port} on {host} ({what}) is already in use: another stack or "
+                        f"program listens there (`ss -ltnp 'sport = :{port}'` shows which). Set "
+                        f"{setting} to a free port (two stacks on one host need different "
+                        "ports), or stop what holds it.", port, setting) from None
+                if err.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(f"{host} is not an address of this machine ({what}, "
+                                      f"{setting}); use 127.0.0.1, 0.0.0.0 or one of its "
+                                      "interfaces' addresses") from None
+                raise
+
+
 def start_stack(config: AppConfig, address: str | None = None,
                 engine_class: str | None = None, **ray_init: Any) -> str:
     """Start Ray (or join ``address``), Serve and the app for ``config``; return its base URL.
 
     Returns once Serve accepted the app (engines may still be loading: poll /v1/models).
-    ``ray_init`` adds ``ray.init`` arguments (tests: ``num_cpus``)."""
+    ``ray_init`` adds ``ray.init`` arguments (tests: ``num_cpus``). Starting a local Ray
+    raises :class:`PortInUseError` before Ray starts when a port of the stack is taken."""
     import ray
     from ray import serve
 
@@ -114,14 +180,20 @@ def start_stack(config: AppConfig, address: str | None = None,
         env[haproxy.BINARY_ENV] = str(haproxy.write_wrapper())
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    if address is None:
+        # Where HAProxy's stats, metrics and Serve's fallback proxy listen: the config decides
+        # (an inherited value, e.g. of a stack this process was started under, does not).
+        os.environ.update(haproxy.admin_env(config.router))
     wanted = env.get(haproxy.BINARY_ENV)
     if wanted and os.environ[haproxy.BINARY_ENV] != wanted:
         logger.warning("%s=%s is used as set; unless it runs HAProxy with %s, clients that "
-                       "leave a non-streaming or queued request are not noticed",
+                       "leave a non-streaming or queued request are not noticed, and HAProxy's "
+                       "stats and metrics pages bind every interface",
                        haproxy.BINARY_ENV, os.environ[haproxy.BINARY_ENV],
                        haproxy.NO_SPLICE_FLAG)
     if address is None:
         reap_leftovers()
+        check_ports(config)
     # The dashboard executes code for whoever reaches it: keep it on localhost.
     ray_init.setdefault("dashboard_host", "127.0.0.1")
     ray.init(address=address, **ray_init)
@@ -314,6 +386,6 @@ def stop_stack() -> None:
         reap_leftovers()
 
 
-__all__ = ["DeployResult", "Leftover", "base_url", "deploy", "find_leftovers", "reap_leftovers",
-           "serve_start_options",
+__all__ = ["DeployResult", "Leftover", "PortInUseError", "base_url", "check_ports", "deploy",
+           "find_leftovers", "reap_leftovers", "serve_start_options", "stack_ports",
            "start_stack", "status", "stop_stack"]

@@ -14,23 +14,50 @@ for the client's close, for a client that closes 0.5 s after sending its request
 | the same with ``-dS`` (no splice)  | at 0.5 s                  | at 0.5 s               |
 
 Ray lets the operator choose the HAProxy binary (``RAY_SERVE_HAPROXY_BINARY_PATH``) but not the
-configuration template, so :func:`write_wrapper` writes a two-line wrapper that runs the real
+configuration template, so :func:`write_wrapper` writes a small wrapper that runs the real
 binary with ``-dS`` (HAProxy's switch for ``nosplice``: no ``splice()`` in either direction; SSE
 chunks and JSON bodies are small, so zero-copy forwarding bought nothing here).
+
+The same wrapper keeps HAProxy's own pages off the network. Ray 2.60's template binds the stats
+page (``listen stats``, no authentication, default port 8404) and the Prometheus exporter
+(``frontend prometheus``, default 9101) on every interface (``bind *:PORT`` / ``bind :PORT``),
+and offers no setting for their address. Before it starts HAProxy, the wrapper rewrites those
+two ``bind`` lines of the configuration Ray wrote (the file named by ``-f``, in place, so Ray
+still finds its own config path in the process's command line) to bind
+``$SERVE_APP_HAPROXY_ADMIN_HOST``, 127.0.0.1 when unset. The OpenAI frontend is left as Ray
+wrote it (``router.host``). :func:`admin_env` gives the variables for a router config
+(``router.haproxy_admin_host``, ``router.haproxy_stats_port``, ``router.haproxy_metrics_port``,
+``router.fallback_proxy_port``): set before Ray starts, on every node.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from serve_app.config import RouterSettings
 
 BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 NO_SPLICE_FLAG = "-dS"
 WRAPPER_NAME = "haproxy-nosplice"
 WRAPPER_MARK = "# Written by serve-app (serve_app/ingress/haproxy.py)"
+# The address HAProxy's stats page and Prometheus exporter bind (read by the wrapper at each
+# HAProxy start; unset: loopback).
+ADMIN_HOST_ENV = "SERVE_APP_HAPROXY_ADMIN_HOST"
+DEFAULT_ADMIN_HOST = "127.0.0.1"
+# Ray Serve's own variables for the ports it fixes by default.
+STATS_PORT_ENV = "RAY_SERVE_HAPROXY_STATS_PORT"
+METRICS_PORT_ENV = "RAY_SERVE_HAPROXY_METRICS_PORT"
+FALLBACK_PROXY_PORT_ENV = "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"
+# What an admin host may look like (an IP address or a host name): the wrapper puts it into a
+# sed expression and HAProxy's config.
+ADMIN_HOST_PATTERN = r"[0-9A-Za-z.:*-]{1,253}"
 
 
 def real_binary() -> str:
@@ -71,12 +98,50 @@ def _is_wrapper(path: Path) -> bool:
         return False
 
 
+# sed program of the wrapper: in Ray's `frontend prometheus` and `listen stats` sections (each
+# ends where the next unindented line starts), `bind ADDR:PORT` becomes `bind $host:PORT`.
+_BIND_REWRITE = (r"/^(frontend prometheus|listen stats)([[:space:]]|$)/,/^[^[:space:]]/ "
+                 r"s/^([[:space:]]*bind[[:space:]]+)[^[:space:]]*:([0-9]+)/\1'" '"$host"' r"':\2/")
+
+
 def wrapper_text(binary: str) -> str:
-    """The wrapper script for ``binary`` (exec, so the process is HAProxy itself)."""
+    """The wrapper script for ``binary`` (exec, so the process is HAProxy itself): binds the
+    stats and metrics sections of the ``-f`` config to ``$SERVE_APP_HAPROXY_ADMIN_HOST``
+    (default 127.0.0.1), then runs ``binary`` with kernel splicing off."""
     return ("#!/bin/sh\n"
             f"{WRAPPER_MARK}: Ray Serve's HAProxy without\n"
-            "# kernel splicing, so a client's disconnect reaches the router replica.\n"
+            "# kernel splicing, so a client's disconnect reaches the router replica, and with\n"
+            "# its stats and metrics pages on $" + ADMIN_HOST_ENV + " (default "
+            + DEFAULT_ADMIN_HOST + ").\n"
+            f"host=\"${{{ADMIN_HOST_ENV}:-{DEFAULT_ADMIN_HOST}}}\"\n"
+            "case \"$host\" in\n"
+            "  *[!0-9A-Za-z.:*-]*) echo \"serve-app haproxy wrapper: bad " + ADMIN_HOST_ENV
+            + "=$host\" >&2; exit 2;;\n"
+            "esac\n"
+            "prev=\n"
+            "for arg in \"$@\"; do\n"
+            "  if [ \"$prev\" = -f ] && [ -f \"$arg\" ]; then\n"
+            "    sed -E '" + _BIND_REWRITE + "' \"$arg\" > \"$arg.serve-app.$$\" &&\n"
+            "      mv -f \"$arg.serve-app.$$\" \"$arg\" || exit 2\n"
+            "  fi\n"
+            "  prev=$arg\n"
+            "done\n"
             f"exec {shlex.quote(binary)} {NO_SPLICE_FLAG} \"$@\"\n")
+
+
+def admin_env(router: RouterSettings) -> dict[str, str]:
+    """The environment that puts HAProxy's stats page, its Prometheus exporter and Serve's
+    fallback proxy where ``router`` says (read by Ray Serve and the wrapper when HAProxy
+    starts; set it before Ray starts, on every node)."""
+    return {ADMIN_HOST_ENV: router.haproxy_admin_host,
+            STATS_PORT_ENV: str(router.haproxy_stats_port),
+            METRICS_PORT_ENV: str(router.haproxy_metrics_port),
+            FALLBACK_PROXY_PORT_ENV: str(router.fallback_proxy_port)}
+
+
+def valid_admin_host(host: str) -> bool:
+    """Whether ``host`` can be given to the wrapper (an IP address or a host name)."""
+    return re.fullmatch(ADMIN_HOST_PATTERN, host) is not None
 
 
 def write_wrapper(directory: Path | None = None, binary: str | None = None) -> Path:
