@@ -6,6 +6,7 @@ says what to change; nothing is discovered half-way through starting replicas.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -500,9 +501,35 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
     return cfg.model_copy(update={"models": models})
 
 
+# A file of tenants that load_config adds to the config's own `tenants:` (a Kubernetes Secret
+# mounted into the pods: deployments/kuberay/rayservice.yaml). Set: the file must exist.
+TENANTS_FILE_ENV = "SERVE_APP_TENANTS_FILE"
+
+
+def tenants_from_file(path: Path) -> list[Any]:
+    """The tenant entries of ``path``: YAML holding a mapping with a ``tenants:`` list (the same
+    entries as a config's ``tenants:``, keys as SHA-256 digests), or that list alone. Validated
+    with the config they join. Raises ConfigError naming the file and the variable."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{TENANTS_FILE_ENV}={path}: no such file (mount the tenants Secret "
+                          f"there, or unset {TENANTS_FILE_ENV})") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{TENANTS_FILE_ENV}={path}: not valid YAML: {err}") from None
+    if isinstance(data, dict) and set(data) == {"tenants"}:
+        data = data["tenants"]
+    if not isinstance(data, list):
+        raise ConfigError(f"{TENANTS_FILE_ENV}={path}: write a `tenants:` list (the entries of "
+                          "a config's `tenants:`; `serve-app keys new TEAM` prints one)")
+    return data
+
+
 def load_config(path: str | Path) -> AppConfig:
     """Read and validate a deployment YAML file. Relative model paths resolve against the repo
-    root when the file lies under ``deployments/`` (at any depth), else against the file's folder."""
+    root when the file lies under ``deployments/`` (at any depth), else against the file's folder.
+    With ``SERVE_APP_TENANTS_FILE`` set, that file's tenants join the config's
+    (:func:`tenants_from_file`)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -510,6 +537,10 @@ def load_config(path: str | Path) -> AppConfig:
         raise ConfigError(f"{path}: no such config file") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    tenants_file = os.environ.get(TENANTS_FILE_ENV)
+    if tenants_file and isinstance(data, dict):
+        data = {**data, "tenants": [*(data.get("tenants") or []),
+                                    *tenants_from_file(Path(tenants_file))]}
     base = path.resolve().parent
     # Any depth under deployments/ (deployments/kuberay/...): the repository root.
     under = next((p for p in (base, *base.parents) if p.name == "deployments"), None)

@@ -39,8 +39,15 @@ def test_every_deployment_file_is_checked():
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_deployment_file_topology(name):
+def test_deployment_file_topology(name, tmp_path, monkeypatch):
     bundles, strategy, actor_gpus, backend, tp, pp, replicas = EXPECTED[name]
+    if name.startswith("kuberay/"):
+        # The RayService's pods read their tenants from the mounted Secret (test_kuberay.py).
+        from serve_app.config import TENANTS_FILE_ENV
+
+        tenants = tmp_path / "tenants.yaml"
+        tenants.write_text("tenants:\n  - name: team-a\n    api_key_sha256: [" + "a" * 64 + "]\n")
+        monkeypatch.setenv(TENANTS_FILE_ENV, str(tenants))
     cfg = load_config(DEPLOYMENTS / name)
     (model,) = cfg.models
     opts = llm_server_options(model)
@@ -54,10 +61,7 @@ def test_deployment_file_topology(name):
     assert args["scheduling_policy"] == "priority"
     auto = model.autoscaling
     assert (auto.min_replicas, auto.max_replicas) == replicas
-    # Every shipped config is safe to start as is: loopback unless it names tenants. The one
-    # exception says so explicitly: the RayService's app, open inside the cluster (ClusterIP)
-    # until its operator lists tenants (its header says how).
-    if name == "kuberay/llama-pp2.yaml":
-        assert cfg.router.allow_open_endpoint and not cfg.tenants
-    else:
-        assert cfg.router.host == "127.0.0.1" or cfg.tenants
+    # Every shipped config is safe to start as is: loopback unless it names tenants (the
+    # RayService's app: from its Secret). None opens an endpoint on purpose.
+    assert cfg.router.host == "127.0.0.1" or cfg.tenants
+    assert not cfg.router.allow_open_endpoint
