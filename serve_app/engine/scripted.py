@@ -71,7 +71,7 @@ class _Sequence:
     arrival: int
     prompt_tokens: int
     max_tokens: int
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # chunks, or the error ending it
     generated: int = 0
 
     @property
@@ -134,8 +134,11 @@ class ScriptedEngine:
         stalled = self.watch.check(self.clock(), self.unfinished_requests())
         if stalled is not None:
             self._loop.cancel()
-            raise RuntimeError(f"the scripted engine has held requests for {stalled:.0f} s "
-                               f"without a step (stall timeout {self.watch.timeout_s:.0f} s)")
+            error = RuntimeError(f"the scripted engine has held requests for {stalled:.0f} s "
+                                 f"without a step (stall timeout {self.watch.timeout_s:.0f} s)")
+            for seq in self._running + self._waiting:  # as vLLM ends them when its core dies
+                seq.out.put_nowait(error)
+            raise error
 
     async def shutdown(self) -> None:
         if self._loop is not None:
@@ -161,6 +164,8 @@ class ScriptedEngine:
         try:
             while True:
                 chunk = await seq.out.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
                 yield chunk
                 if chunk.finished:
                     return

@@ -3,7 +3,6 @@ serving the tiny model. Started once per session (about a minute) and shared by 
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -11,6 +10,8 @@ import httpx
 import pytest
 
 from serve_app.engine.protocol import EngineLoad
+
+from .ports import free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "tiny-llama"
@@ -39,10 +40,10 @@ TENANTS: dict[str, dict] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# A port for a server a test starts (tests/integration/ports.py: one nothing else takes).
+_free_port = free_port
+# Tries at starting the suite's stack on fresh ports when one was taken since it was chosen.
+PORT_TRIES = 3
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +64,6 @@ def stack(tiny_model_path):
     from serve_app.tenancy.keys import key_digest, new_key
 
     cfg = load_config(REPO / "deployments" / "local-cpu.yaml")
-    port = _free_port()
     # Tenants with fresh keys: the suite runs with authentication on, as production does.
     keys = {name: new_key() for name in TENANTS}
     tenants = [TenantSettings(name=name, api_key_sha256=[key_digest(keys[name])], **limits)
@@ -75,14 +75,11 @@ def stack(tiny_model_path):
                                      "engine_stall_timeout_s": ENGINE_STALL_S})
     # Server-Timing on: the phase test reads it (off by default in production configs).
     router = cfg.router.model_copy(update={
-        "port": port, "server_timing": True, "stream_stall_timeout_s": STALL_S,
+        "server_timing": True, "stream_stall_timeout_s": STALL_S,
         "admission": cfg.router.admission.model_copy(
             update={"headroom": HEADROOM, "poll_interval_s": 0.05})})
     cfg = cfg.model_copy(update={"router": router, "tenants": tenants, "models": [model]})
-    # As `serve-app run` starts it (the same data plane, with the dashboard, whose head writes
-    # the Prometheus service-discovery file the committed scrape config reads).
-    # Logical CPUs: the autoscaling and TP tests add apps whose engines take one or two each.
-    base = start_stack(cfg, num_cpus=4, log_to_driver=False)
+    base, cfg = _start_on_free_ports(cfg, start_stack)
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
@@ -111,6 +108,31 @@ def stack(tiny_model_path):
         state = router_handle.admission_state.remote().result(timeout_s=30)[MODEL]
     stop_stack()
     assert state["in_flight"] == 0 and state["queued"] == 0, f"router leaked: {state}"
+
+
+def _start_on_free_ports(cfg, start_stack) -> tuple[str, object]:
+    """Start the suite's stack for ``cfg`` on ports of its own (the OpenAI endpoint, HAProxy's
+    stats and metrics, Serve's fallback proxy), so that it runs beside `make run` or another
+    suite; when one was taken after it was chosen (PortInUseError, raised before Ray starts),
+    again on fresh ones. Returns the base URL and the config as started."""
+    from serve_app.launch import PortInUseError
+
+    for attempt in range(PORT_TRIES):
+        port, stats, metrics, fallback = free_ports(4)
+        router = cfg.router.model_copy(update={
+            "port": port, "haproxy_stats_port": stats, "haproxy_metrics_port": metrics,
+            "fallback_proxy_port": fallback})
+        try:
+            # As `serve-app run` starts it (the same data plane, with the dashboard, whose head
+            # writes the Prometheus service-discovery file the committed scrape config reads).
+            # Logical CPUs: the autoscaling and TP tests add apps whose engines take one or two.
+            started = cfg.model_copy(update={"router": router})
+            return start_stack(started, num_cpus=4, log_to_driver=False), started
+        except PortInUseError as err:
+            if attempt == PORT_TRIES - 1:
+                raise
+            print(f"\n{err}; starting on other ports")
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +43,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing else on this machine takes meanwhile (tests/integration/ports.py)."""
+    from tests.integration.ports import free_port as quiet_free_port
+
+    return quiet_free_port()
 
 
 def serve_cluster() -> None:

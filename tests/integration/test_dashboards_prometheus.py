@@ -33,9 +33,9 @@ from .conftest import _free_port
 
 # `make test` unpacks Debian's prometheus into the venv and names it in PROMETHEUS_BIN.
 PROMETHEUS = os.environ.get("PROMETHEUS_BIN") or shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(
     PROMETHEUS is None or not os.access(PROMETHEUS, os.X_OK),
-    reason="no prometheus binary (`make prometheus` fetches Debian's)")
+    reason="no prometheus binary (`make prometheus` fetches Debian's)")]
 
 # Each panel's query as Grafana sends it: a range query over the last WINDOW_S with Grafana's step
 # and $__rate_interval for the provisioned datasource's interval (serve_app.observability.previews).

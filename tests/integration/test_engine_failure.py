@@ -5,7 +5,9 @@ and the endpoint serves again without anyone restarting it. One that hangs inste
 (a pipeline stage blocked on a lost peer) is found by the stall watch and goes the same way.
 
 The tests kill (or stop) the real engine-core process of the shared stack and wait for the
-recovery, so the tests after them run against a fresh replica."""
+recovery, so the tests after them run against a fresh replica. A slow step is no hang: a
+scripted engine whose step takes 90 s, under the stall watch's production defaults, is left
+alone."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ import time
 
 import httpx
 import psutil
+import pytest
 from ray.util.state import list_actors
 
 from serve_app.app import APP_NAME, llm_server_name
 
-from .conftest import ENGINE_STALL_S, wait_until
+from .conftest import ENGINE_STALL_S, engine_load, wait_until
+
+pytestmark = pytest.mark.integration
 
 LONG = {"max_tokens": 1900, "ignore_eos": True}
 
@@ -68,7 +73,8 @@ def test_engine_death_is_a_503_and_the_replica_recovers(stack):
         stream.start()
         blocking.start()
         assert first_chunk.wait(60), "the stream never started"
-        time.sleep(0.2)  # the non-streaming request is in the engine too
+        # The non-streaming request is in the engine too (its n=4 sequences beside the stream).
+        wait_until(lambda: engine_load(stack).unfinished >= 2, 60)
         cores[0].send_signal(signal.SIGKILL)
         stream.join(90)
         blocking.join(90)
@@ -151,3 +157,48 @@ def test_a_hung_engine_core_is_killed_by_the_stall_watch_and_the_replica_recover
     assert len(new_cores) == 1 and new_cores[0].pid != cores[0].pid
     print(f"\nstopped engine core: its stream ended {ended_after:.1f} s later "
           f"(engine_stall_timeout_s={ENGINE_STALL_S}); answers until served again: {seen}")
+
+
+def test_a_90_s_step_under_the_default_stall_watch_does_not_kill_the_engine(stack):
+    """The stall watch's production defaults (the GPU floor, two checks in a row) in front of
+    a scripted engine whose first step takes 90 s, longer than the old 60 s timeout: Serve's
+    health checks run all through the step (every HEALTH_CHECK_PERIOD_S), the request ends
+    with its tokens and the replica is the one it started on. The engine's clock runs 5x
+    (scripted_clock_scale), so the 90 s pass in 18 s; the stall watch reads that clock."""
+    from ray import serve
+
+    from serve_app.app import HEALTH_CHECK_PERIOD_S, build_app
+    from serve_app.config import DEFAULT_STALL_TIMEOUT_S, ModelSettings
+    from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
+
+    app, model, scale, step_s = "slow-step", "slow-step", 5.0, 90.0
+    assert step_s / scale > 3 * HEALTH_CHECK_PERIOD_S  # several checks fall inside the step
+    settings = ModelSettings(
+        name=model, path=str(stack["path"]), device="cpu", max_model_len=2048,
+        engine_stall_timeout_s=DEFAULT_STALL_TIMEOUT_S,  # as on a GPU (off by default on CPU)
+        engine_kwargs={"scripted_clock_scale": scale, "scripted_step_s_at": {0: step_s}})
+    serve.run(build_app(stack["config"].model_copy(update={"models": [settings]}),
+                        SCRIPTED_ENGINE_CLASS), name=app, route_prefix="/" + app, blocking=False)
+    try:
+        server = serve.get_deployment_handle(llm_server_name(model), app_name=app)
+        base = f"{stack['base']}/{app}"
+        with httpx.Client(base_url=base, timeout=300, headers=stack["headers"]) as client:
+            wait_until(lambda: _models_answer(client), 120, 0.2)
+            replica = server.engine_load.remote().result(timeout_s=30).replica
+            started = time.monotonic()
+            r = client.post("/v1/completions", json={"model": model, "prompt": "hello",
+                                                     "max_tokens": 3})
+            took = time.monotonic() - started
+        assert r.status_code == 200, (r.status_code, r.text)
+        assert r.json()["choices"][0]["text"] == " t0 t1 t2"
+        assert took >= step_s / scale, took  # the long step really happened
+        assert server.engine_load.remote().result(timeout_s=30).replica == replica
+    finally:
+        serve.delete(app)
+
+
+def _models_answer(client: httpx.Client) -> bool:
+    try:
+        return client.get("/v1/models").status_code == 200
+    except httpx.HTTPError:
+        return False

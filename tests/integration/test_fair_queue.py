@@ -11,8 +11,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from .conftest import ENGINE_BATCH, HEADROOM, IN_FLIGHT, admission_state, wait_until
+
+pytestmark = pytest.mark.integration
 
 FLOOD = 3 * IN_FLIGHT  # team-a's backlog: one to two batches wait in the router
 LONG = 256  # tokens per request: long enough that a batch takes a few seconds on the CPU
