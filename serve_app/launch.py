@@ -196,7 +196,9 @@ def start_stack(config: AppConfig, address: str | None = None,
         check_ports(config)
     # The dashboard executes code for whoever reaches it: keep it on localhost.
     ray_init.setdefault("dashboard_host", "127.0.0.1")
-    ray.init(address=address, **ray_init)
+    # "local": a new Ray of this stack's own, never a `ray start` cluster or a test cluster
+    # that happens to run on this machine (ray.init(None) joins one it finds).
+    ray.init(address=address or "local", **ray_init)
     serve.start(**serve_start_options(config))
     _record(config)
     app = build_app(config) if engine_class is None else build_app(config, engine_class)

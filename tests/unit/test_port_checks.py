@@ -89,3 +89,28 @@ def test_ports_must_differ_and_the_admin_host_must_be_an_address():
     with pytest.raises(ConfigError, match="haproxy_admin_host"):
         _config(haproxy_admin_host="0.0.0.0; rm -rf /")
     assert _config().router.haproxy_admin_host == "127.0.0.1"
+
+
+def test_a_local_start_starts_a_ray_of_its_own(monkeypatch):
+    """Without an address the stack starts its own Ray ("local"), never joining a `ray start`
+    cluster (or a multi-node test cluster) that happens to run on this machine, which
+    ray.init(None) would do."""
+    import ray
+
+    from serve_app import launch
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(launch, "reap_leftovers", lambda: [])
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(address=None, **kwargs):
+        seen["address"] = address
+        raise Stop
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(Stop):
+        launch.start_stack(_config(**_ports()))
+    assert seen["address"] == "local"
