@@ -382,7 +382,10 @@ def stop_stack() -> None:
     from ray import serve
 
     try:
-        serve.shutdown()
+        # A start that stopped before Ray (a port in use) has no Serve to stop; serve.shutdown()
+        # would start a Ray to look for one, or join and stop another stack's on this machine.
+        if ray.is_initialized():
+            serve.shutdown()
     finally:
         ray.shutdown()
         reap_leftovers()

@@ -114,3 +114,21 @@ def test_a_local_start_starts_a_ray_of_its_own(monkeypatch):
     with pytest.raises(Stop):
         launch.start_stack(_config(**_ports()))
     assert seen["address"] == "local"
+
+
+def test_stopping_after_a_refused_start_touches_no_ray(monkeypatch):
+    """`serve-app run` stops the stack whatever happened; after a start refused before Ray
+    (a port in use) there is nothing to stop, and serve.shutdown() would start a Ray to look
+    for a Serve, or join another stack's on this machine and stop it."""
+    import ray
+    from ray import serve
+
+    from serve_app import launch
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(launch, "reap_leftovers", lambda: calls.append("reap") or [])
+    launch.stop_stack()
+    assert calls == ["ray.shutdown", "reap"]
