@@ -9,7 +9,7 @@ MODEL  := models/tiny-llama
 CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install model prometheus observe grafana-files run test test-unit test-integration bench bench-agreement \
+.PHONY: install model prometheus observe grafana-files run test test-unit test-integration test-parallel bench bench-agreement \
 	bench-fairness chaos bench-vs-bare bench-flood bench-stream bench-ttft bench-parallel \
 	dashboard-previews cluster-up cluster-down clean
 
@@ -70,6 +70,13 @@ test-unit: install
 
 test-integration: install model prometheus
 	PROMETHEUS_BIN=$(abspath $(PROMETHEUS_BIN)) $(BIN)/python -m pytest -v -rs tests/integration $(PYTEST_ARGS)
+
+# Pipeline parallelism's long runs: PP replicas restarted after a stage is killed or stopped
+# under a stream, and a PP replica's node lost under a stream on a two-node cluster (about ten
+# minutes on two cores; `make test` runs the rest of those files). .ci/run runs both targets.
+test-parallel: install model
+	SERVE_APP_PARALLEL_TESTS=1 $(BIN)/python -m pytest -v -rs tests/integration/test_pipeline_parallel.py \
+		tests/integration/test_pipeline_parallel_two_nodes.py $(PYTEST_ARGS)
 
 # dashboards/previews/*.png: the live dashboard test keeps traffic on the local stack for three
 # minutes and draws every panel from its Prometheus, the queries run as Grafana runs them.

@@ -96,6 +96,14 @@ class AutoscalingSettings(_Strict):
         return self
 
 
+def _eager_on_cpu(engine_kwargs: dict[str, Any], engine_env: dict[str, str]) -> bool:
+    """Whether the vLLM CPU build would run this engine with no compile warm-up."""
+    compilation = engine_kwargs.get("compilation_config")
+    mode = compilation.get("mode") if isinstance(compilation, dict) else None
+    return (bool(engine_kwargs.get("enforce_eager")) or mode in (0, "NONE")
+            or engine_env.get("VLLM_CPU_CI_ENV", "0") not in ("", "0"))
+
+
 class ModelSettings(_Strict):
     """One served model: where its weights are, how it is sharded, how many replicas."""
 
@@ -185,10 +193,16 @@ class ModelSettings(_Strict):
 
     @model_validator(mode="after")
     def _cpu_limits(self) -> ModelSettings:
-        if self.device == "cpu" and self.pipeline_parallel_size > 1:
+        if self.device == "cpu" and self.pipeline_parallel_size > 1 and _eager_on_cpu(
+                self.engine_kwargs, self.engine_env):
+            # vLLM's CPU worker allocates a later stage's buffer for the activations it
+            # receives only in its compile warm-up, which eager mode skips: the stage then
+            # fails its first step (`assert self.intermediate_tensors is not None`).
             raise ValueError(
-                "pipeline_parallel_size > 1 is not supported by the vLLM CPU build; "
-                "use device: gpu or pipeline_parallel_size: 1"
+                "pipeline_parallel_size > 1 on the vLLM CPU build needs its compile warm-up: "
+                "drop enforce_eager (and VLLM_CPU_CI_ENV) and set engine_kwargs.compilation_config"
+                " to {mode: 2, backend: eager} (a one-pass trace, no compile; "
+                "deployments/local-cpu-pp2.yaml)"
             )
         if self.device == "cpu" and self.distributed_executor_backend == "ray":
             raise ValueError(

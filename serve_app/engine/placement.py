@@ -12,7 +12,10 @@ placement group; what the bundles hold depends on who runs the engine's ranks
   Ray executor, which starts one worker per GPU bundle inside it (no second reservation). The
   strategy decides whether a replica may span nodes: PACK fills one node and spills to others
   when it is too small; STRICT_PACK keeps it on one node.
-- CPU engines run inside the replica's node: one bundle holds all its CPUs.
+- CPU engines run inside the replica's node: one bundle holds all its CPUs. Several ranks
+  (TP or PP) are worker processes of the replica (the vLLM CPU build refuses the Ray executor),
+  one core each: give the replica a CPU per rank. A CPU replica therefore never spans nodes;
+  tests/integration/test_pipeline_parallel*.py check where its stages run.
 
 vLLM orders its Ray workers by node (the driver's node first) and gives consecutive ranks to the
 workers of one node, so a tensor-parallel group stays on one node exactly when every node holds a

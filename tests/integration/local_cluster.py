@@ -11,13 +11,17 @@ Run as a process of its own, apart from the suite's stack and its Ray:
                                                         # `remove-worker [NODE_ID]` kills a
                                                         # worker node (the first one unless
                                                         # named), `add-worker` starts a new
-                                                        # one with the devices of the last node
-                                                        # removed (each answers a JSON line)
+                                                        # one with the devices and CPUs of the
+                                                        # last node removed (each answers a
+                                                        # JSON line)
     python -m tests.integration.local_cluster actors DASHBOARD   # alive actors (JSON)
+    python -m tests.integration.local_cluster placement-groups DASHBOARD  # their bundles' nodes
 
 CLUSTER_GPUS="0,1" makes one node per entry, the head first, each started with that GPU visible
 ("0,1,0,1": four nodes, two on each of two GPUs); without it, CLUSTER_NODES (default 2) nodes of
-no GPU. The nodes are started with ``ray.cluster_utils.Cluster``: the same raylet and GCS
+no GPU. CLUSTER_CPUS gives every node that many CPUs (default 1), or, as a list, each node its
+own ("1,2": a head of one CPU and a worker of two, where only the worker fits a 2-CPU replica).
+The nodes are started with ``ray.cluster_utils.Cluster``: the same raylet and GCS
 processes ``ray start --head`` and ``ray start --address`` start, one raylet per node, but ones
 this process can stop alone (``ray stop`` would also stop the suite's Ray on this machine). Every
 node gets the environment of the app's data plane, as `cluster.yaml` gives it to ``ray start``,
@@ -66,39 +70,42 @@ def serve_cluster() -> None:
     # hands its workers the devices it was started with.
     gpus = [g for g in os.environ.get("CLUSTER_GPUS", "").split(",") if g]
     devices: list[str | None] = list(gpus) or [None] * int(os.environ.get("CLUSTER_NODES", "2"))
-    cpus = int(os.environ.get("CLUSTER_CPUS", "1"))
+    # CLUSTER_CPUS: CPUs of every node ("1"), or of each node, the head first ("1,2").
+    cpus = [int(c) for c in os.environ.get("CLUSTER_CPUS", "1").split(",")]
+    cpus = cpus * len(devices) if len(cpus) == 1 else cpus
+    assert len(cpus) == len(devices), "CLUSTER_CPUS: one entry, or one per node"
 
-    def node_args(device: str | None, role: str) -> dict:
+    def node_args(device: str | None, role: str, num_cpus: int) -> dict:
         if device is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = device  # read by the raylet at its start
-        return {"num_cpus": cpus, "num_gpus": 0 if device is None else 1,
+        return {"num_cpus": num_cpus, "num_gpus": 0 if device is None else 1,
                 "resources": {role: 1}}
 
     dashboard_port = free_port()  # the state API (actor table) is served by the dashboard
     cluster = Cluster(initialize_head=True, head_node_args={
-        **node_args(devices[0], "head"), "include_dashboard": True,
+        **node_args(devices[0], "head", cpus[0]), "include_dashboard": True,
         "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port})
-    workers = {}  # node id -> (node, its device)
-    for device in devices[1:]:
-        node = cluster.add_node(**node_args(device, "worker"))
-        workers[node.node_id] = (node, device)
+    workers = {}  # node id -> (node, its device, its CPUs)
+    for device, num_cpus in zip(devices[1:], cpus[1:]):
+        node = cluster.add_node(**node_args(device, "worker", num_cpus))
+        workers[node.node_id] = (node, device, num_cpus)
     cluster.wait_for_nodes()
     ids = list(workers)
     print(json.dumps({"address": cluster.address, "worker": ids[0], "workers": ids,
                       "dashboard": f"http://127.0.0.1:{dashboard_port}"}), flush=True)
-    lost_device = devices[-1]
+    lost_device, lost_cpus = devices[-1], cpus[-1]
     try:
         for line in sys.stdin:  # until the test closes our stdin
             command, *args = line.split()
             if command == "remove-worker":
                 # A lost node: its raylet and every process of it killed, no graceful stop.
                 node_id = args[0] if args else next(iter(workers))
-                node, lost_device = workers.pop(node_id)
+                node, lost_device, lost_cpus = workers.pop(node_id)
                 cluster.remove_node(node, allow_graceful=False)
                 print(json.dumps({"removed": node_id}), flush=True)
             elif command == "add-worker":
-                node = cluster.add_node(**node_args(lost_device, "worker"))
-                workers[node.node_id] = (node, lost_device)
+                node = cluster.add_node(**node_args(lost_device, "worker", lost_cpus))
+                workers[node.node_id] = (node, lost_device, lost_cpus)
                 cluster.wait_for_nodes()
                 print(json.dumps({"added": node.node_id}), flush=True)
     finally:
@@ -112,7 +119,31 @@ def list_alive_actors(dashboard: str) -> None:
     print(json.dumps([
         {"class": a.class_name, "id": a.actor_id, "node": a.node_id, "pid": a.pid,
          "placement_group": a.placement_group_id}
-        for a in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], limit=1000)]))
+        # detail=True: without it the placement group column is always None.
+        for a in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], limit=1000,
+                             detail=True)]))
+
+
+def list_placement_groups(dashboard: str) -> None:
+    """Print the cluster's created placement groups (id, name, each bundle's node and
+    resources) as JSON."""
+    from ray.util.state import list_placement_groups as groups
+
+    print(json.dumps([
+        {"id": g.placement_group_id, "name": g.name,
+         "bundles": [{"node": b.get("node_id"), "resources": b.get("unit_resources")}
+                     for b in g.bundles or []]}
+        for g in groups(address=dashboard, filters=[("state", "=", "CREATED")], limit=1000,
+                        detail=True)]))
+
+
+def placement_groups(cluster: dict) -> list[dict]:
+    """The cluster's created placement groups, as :func:`list_placement_groups` gives them."""
+    out = subprocess.run([sys.executable, "-m", "tests.integration.local_cluster",
+                          "placement-groups", cluster["dashboard"]], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def actors(cluster: dict) -> list[dict]:
@@ -208,5 +239,7 @@ def running_cluster(log: Path, env: dict[str, str] | None = None) -> Iterator[di
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve_cluster()
+    elif sys.argv[1] == "placement-groups":
+        list_placement_groups(sys.argv[2])
     else:
         list_alive_actors(sys.argv[2])

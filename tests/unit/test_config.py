@@ -69,9 +69,19 @@ def test_duplicate_model_names():
     assert "unique" in msg and "'m'" in msg
 
 
-def test_pipeline_parallel_on_cpu_refused():
-    msg = _error({"models": [_model(device="cpu", pipeline_parallel_size=2)]})
-    assert "pipeline_parallel_size" in msg and "device: gpu" in msg
+@pytest.mark.parametrize("eager", [{"engine_kwargs": {"enforce_eager": True}},
+                                   {"engine_kwargs": {"compilation_config": {"mode": 0}}},
+                                   {"engine_env": {"VLLM_CPU_CI_ENV": "1"}}])
+def test_pipeline_parallel_on_cpu_refused_in_eager_mode(eager):
+    # vLLM's CPU worker skips the warm-up that allocates a later stage's receive buffer.
+    msg = _error({"models": [_model(device="cpu", pipeline_parallel_size=2, **eager)]})
+    assert "pipeline_parallel_size" in msg and "compilation_config" in msg
+
+
+def test_pipeline_parallel_on_cpu_with_its_compile_warm_up():
+    cfg = parse_config({"models": [_model(device="cpu", pipeline_parallel_size=2, engine_kwargs={
+        "compilation_config": {"mode": 2, "backend": "eager"}})]}, source="test.yaml")
+    assert cfg.models[0].executor_backend == "mp"
 
 
 @pytest.mark.parametrize("key", ["model", "tensor_parallel_size", "max_model_len"])

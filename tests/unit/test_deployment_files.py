@@ -18,6 +18,7 @@ ONE_GPU = {"GPU": 1.0}
 #          (min, max) replicas)
 EXPECTED = {
     "local-cpu.yaml": ([{"CPU": 1.0}], "PACK", 0.0, None, 1, 1, (1, 1)),
+    "local-cpu-pp2.yaml": ([{"CPU": 2.0}], "PACK", 0.0, "mp", 1, 2, (1, 1)),
     "gpu-1.yaml": ([{"CPU": 2.0, "GPU": 1.0}], "PACK", 1.0, None, 1, 1, (1, 1)),
     "gpu-tp2.yaml": ([{"CPU": 2.0, "GPU": 1.0}, ONE_GPU], "STRICT_PACK", 0.0, "ray", 2, 1,
                      (1, 1)),

@@ -45,6 +45,13 @@ def test_strict_pack_keeps_replica_on_one_node():
     assert p.strategy == "STRICT_PACK" and len(p.bundles) == 2
 
 
+def test_cpu_pipeline_stages_share_the_replica_bundle():
+    # The stages are processes of the replica (multiprocessing executor): one bundle, one node.
+    p = replica_placement(_settings(device="cpu", pipeline_parallel_size=2, cpus_per_replica=2,
+                                    engine_kwargs={"compilation_config": {"mode": 2}}))
+    assert p.bundles == [{"CPU": 2.0}] and p.actor_num_cpus == 2.0 and p.actor_num_gpus == 0
+
+
 def test_cpu_engine_one_bundle_of_cpus():
     p = replica_placement(_settings(device="cpu", tensor_parallel_size=2, cpus_per_replica=2))
     assert p.bundles == [{"CPU": 2.0}]
