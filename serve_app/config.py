@@ -250,8 +250,9 @@ class AdmissionSettings(_Strict):
         "at the engine's next step, ahead of queued floods, by its engine priority).",
     )
     kv_cache_high: float = Field(
-        0.95, gt=0, le=1, description="KV-cache use above which an engine gets no more than it "
-        "runs plus `headroom`.",
+        0.95, gt=0, le=1, description="KV-cache use above which an engine counts as saturated: "
+        "it gets what it runs, plus what its next step can start, plus `headroom` "
+        "(docs/admission.md).",
     )
     poll_interval_s: float = Field(
         0.02, gt=0, description="How often the router reads the engines' load while it has "

@@ -1,5 +1,5 @@
 """A client that stops reading a stream: what the stall watch (`serve_app/ingress/stall.py`) is
-for. Shared by `make chaos`, `bench/slow_reader.py` and the integration test.
+for. Shared by `make chaos` and the integration test.
 
 The router's writes only wait once the stream has outgrown the socket between it and the client:
 on the router replica's own port about 2.2 MB at first, but Linux grows a send buffer up to

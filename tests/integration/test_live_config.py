@@ -113,3 +113,38 @@ def test_engine_argument_change_rolls_replicas_without_a_failed_request_or_cut_s
     assert all(r == (200, True) for r in whole), [r for r in whole if r != (200, True)]
     print(f"\nrolled the engine replicas in {took:.1f} s; {len(streamed)} streams and "
           f"{len(whole)} whole requests, none failed or cut")
+
+
+def test_router_setting_change_rolls_the_routers_and_leaves_the_engines(stack):
+    """The guard of Serve's private ``options(_internal=True, version=...)``
+    (serve_app/serve_private.py): each deployment carries its own version, so a change to a
+    router setting alone replaces the router replicas and leaves the engine replicas (minutes
+    of GPU start-up each) as they are. Without versions every deploy replaced every replica."""
+    from ray import serve
+
+    from serve_app.config import APP_NAME
+    from serve_app.launch import deploy
+
+    cfg = stack["config"]
+    changed = cfg.model_copy(update={"router": cfg.router.model_copy(
+        update={"max_queued_per_band": cfg.router.max_queued_per_band + 1})})
+    engines_before, routers_before = _replica_actors("LLMServer"), _replica_actors("Router")
+    assert engines_before and routers_before
+
+    def routers_replaced(before: set[str]) -> bool:
+        now = _replica_actors("Router")
+        app = serve.status().applications[APP_NAME]
+        return bool(now) and not (now & before) and app.status == "RUNNING"
+
+    try:
+        assert deploy(changed, address=None).mode == "redeployed"
+        wait_until(lambda: routers_replaced(routers_before), 180, 0.5)
+        assert _replica_actors("LLMServer") == engines_before
+    finally:
+        rolled = _replica_actors("Router")
+        assert deploy(cfg, address=None).mode == "redeployed"  # back to the suite's config
+        wait_until(lambda: routers_replaced(rolled), 180, 0.5)
+    assert _replica_actors("LLMServer") == engines_before
+    reply = httpx.post(f"{stack['base']}/v1/completions", headers=stack["headers"], timeout=60,
+                       json={"model": stack["model"], "prompt": "hi", "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
