@@ -101,12 +101,12 @@ class AdmissionController:
         :class:`NoReplicaInTime` from :meth:`expire_waiting`. Cancellation while waiting (client
         gone) leaves nothing behind."""
         if self.has_room() and not len(self.queue):
-            return self._grant(tenant, band, weight)
+            return self._grant_unqueued(tenant, band, weight)
         if (not self.tenant_in_flight.get(tenant)
                 and len(self.overdraft) < self.first_request_slots
                 and not any(self.queue.waiting(b) for b in BANDS[:BANDS.index(band)])):
             self.overdraft.add(tenant)
-            return self._grant(tenant, band, weight)
+            return self._grant_unqueued(tenant, band, weight)
         if self.queue.waiting(band) >= self.max_queued:
             raise QueueFull(band)
         waiter = _Waiter(tenant, band, weight)
@@ -124,6 +124,11 @@ class AdmissionController:
                     and waiter.future.exception() is None:
                 self.release(tenant, 0, weight)  # admitted as we were cancelled: give it back
             raise
+
+    def _grant_unqueued(self, tenant: str, band: Priority, weight: int) -> int:
+        """Grant a request that never waited: it moves the band's virtual clock like a pop."""
+        self.queue.served(tenant, band, newly_active=not self.tenant_in_flight.get(tenant))
+        return self._grant(tenant, band, weight)
 
     def _grant(self, tenant: str, band: Priority, weight: int) -> int:
         """Count a released request; its engine priority reflects what its tenant had out."""

@@ -7,6 +7,11 @@ when a request ends. Each band keeps a virtual clock: the service of the tenant 
 lifted to that clock, whether or not the band has other waiters right now, so idling banks no
 credit to spend later in a burst. Within one tenant requests keep their arrival order.
 
+Every admission moves the clock, not only :meth:`FairQueue.pop`: the admission controller calls
+:meth:`FairQueue.served` for requests that never waited (below capacity, a quiet tenant's first
+request). Without it a tenant served below capacity for a long time left the clock at 0, and a
+tenant idle meanwhile then went first for as long as the other's whole past service.
+
 Pure data structure (no asyncio, no Ray); the router's admission controller drives it.
 """
 
@@ -89,6 +94,15 @@ class FairQueue(Generic[T]):
             self.remove(item)
         return item
 
+    def served(self, tenant: str, band: Priority, newly_active: bool) -> None:
+        """A request of ``tenant`` went to an engine without waiting here. ``newly_active``: the
+        tenant had nothing in flight (nor waiting), so it is lifted to the band's clock like a
+        tenant that becomes backlogged; either way the clock moves to its service."""
+        service = self._service.get(tenant, 0.0)
+        if newly_active:
+            service = self._service[tenant] = max(service, self._clock[band])
+        self._clock[band] = max(self._clock[band], service)
+
     def remove(self, item: T) -> bool:
         """Drop a waiting item (its client left); False if it was not waiting."""
         where = self._where.pop(item, None)
@@ -138,6 +152,9 @@ class FifoQueue(Generic[T]):
 
     def remove(self, item: T) -> bool:
         return self._items.pop(item, None) is not None
+
+    def served(self, tenant: str, band: Priority, newly_active: bool) -> None:
+        pass
 
     def charge(self, tenant: str, service: float) -> None:
         pass

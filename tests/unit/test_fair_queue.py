@@ -241,3 +241,39 @@ def test_a_request_larger_than_the_capacity_starts_alone_instead_of_never():
         await t
         assert ac.in_flight == 16
     asyncio.run(main())
+
+
+def test_tenant_served_below_capacity_moves_the_clock_regression_idle_tenant_went_first():
+    """Through the admission controller (the router's path): tenant a is served alone, below
+    capacity, for ten requests; then b arrives into an empty band while a holds the one place,
+    and both queue. b must not go first for as long as a's whole past service: the two
+    alternate within one request's weight. Before the fix the fast path never moved the band's
+    clock, b kept service 0 and took its four turns in a row."""
+
+    async def main() -> list[str]:
+        c = AdmissionController(1, 100, first_request_slots=0)
+        for _ in range(10):  # served alone, never queued
+            await c.acquire("a", "normal")
+            c.release("a", 100)
+        await c.acquire("a", "normal")  # a holds the one place
+        order: list[str] = []
+
+        async def request(tenant: str) -> None:
+            await c.acquire(tenant, "normal")
+            order.append(tenant)
+            await asyncio.sleep(0)
+            c.release(tenant, 100)  # each admitted request ends at once, charged one weight
+
+        tasks = [asyncio.ensure_future(request("b"))]
+        await asyncio.sleep(0)  # b waits first, in an empty band
+        for tenant in "aaaabbb":
+            tasks.append(asyncio.ensure_future(request(tenant)))
+        await asyncio.sleep(0)
+        c.release("a", 100)
+        await asyncio.gather(*tasks)
+        return order
+
+    order = asyncio.run(main())
+    assert sorted(order) == sorted("aaaabbbb")
+    for i in range(1, len(order) + 1):  # every prefix is even to within one request
+        assert abs(order[:i].count("a") - order[:i].count("b")) <= 1, order
