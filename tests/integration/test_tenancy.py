@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import random
+import statistics
+
 import httpx
 import openai
 import pytest
 from openai import OpenAI
+
+from serve_app.engine.timing import parse_server_timing
+
+pytestmark = pytest.mark.integration
 
 
 def _post(stack, key: str | None, *, authorization: str | None = None, **body):
@@ -87,7 +94,7 @@ def test_model_allow_list_hides_other_models(stack):
 
 
 def test_every_tenant_sees_the_same_outputs(stack):
-    """The per-tenant cache salt isolates prefix caches without changing results."""
+    """The per-tenant cache salt changes no result: the same prompt, the same greedy output."""
     outs = set()
     for tenant in ("team-a", "team-b"):
         r = _post(stack, stack["keys"][tenant], prompt="The same prompt", max_tokens=8,
@@ -95,3 +102,36 @@ def test_every_tenant_sees_the_same_outputs(stack):
         assert r.status_code == 200
         outs.add(r.json()["choices"][0]["text"])
     assert len(outs) == 1
+
+
+PROMPT_TOKENS = 1500  # a prefill long enough that a cache hit shows in its time
+TRIALS = 3
+HIT_SPEED_UP = 3.0  # a hit's prefill is at least this much faster than the full one
+
+
+def _prefill_ms(stack, tenant: str, prompt: list[int]) -> float:
+    """The engine's prefill time (scheduled -> first token, from its Server-Timing header) of
+    one request of ``tenant``: the phase a prefix-cache hit shortens, without the router's
+    queue or the hops around it."""
+    r = _post(stack, stack["keys"][tenant], prompt=prompt, max_tokens=1)
+    assert r.status_code == 200, r.text
+    return parse_server_timing(r.headers.get("server-timing"))["prefill"]
+
+
+def test_a_tenants_cached_prefix_gives_another_tenant_no_speed_up(stack):
+    """The timing side channel of a shared prefix cache (CVE-2025-46570): a prompt tenant A
+    sent is cached, so A's second prefill of it is fast; tenant B's prefill of the same prompt
+    must be as slow as a first one (the router salts the cache with the tenant). The control
+    (A's own hit) shows the test can see a hit; fresh random prompts per trial, medians of
+    TRIALS."""
+    rng = random.Random()
+    cold, warm, other = [], [], []
+    for _ in range(TRIALS):
+        prompt = [rng.randrange(10, 500) for _ in range(PROMPT_TOKENS)]
+        cold.append(_prefill_ms(stack, "team-a", prompt))
+        warm.append(_prefill_ms(stack, "team-a", prompt))
+        other.append(_prefill_ms(stack, "team-b", prompt))
+    cold_ms, warm_ms, other_ms = (statistics.median(x) for x in (cold, warm, other))
+    seen = f"prefill ms: A first {cold}, A again {warm}, B {other}"
+    assert cold_ms > HIT_SPEED_UP * warm_ms, f"no cache hit for A itself; {seen}"
+    assert other_ms > HIT_SPEED_UP * warm_ms, f"B got A's cached prefix; {seen}"
