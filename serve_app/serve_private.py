@@ -17,12 +17,17 @@ moves or changes it (Ray is pinned; read those tests before bumping it).
   (`serve-app status`).
 * :data:`PowerOfTwoChoicesRequestRouter`: Serve's default replica choice, which the public
   ``ray.serve.request_router`` does not export; the LLMServer's request router reuses it.
+* :func:`broadcast_each`: ``DeploymentHandle.broadcast`` with each replica's answer bounded on
+  its own (``DeploymentBroadcastResponse._fetch_replica_results_async`` and each
+  ``ReplicaResult.get_async``): the public ``results_async`` bounds the whole broadcast, so one
+  slow replica failed the poll of every replica.
 * :func:`kv_put` / :func:`kv_get`: Ray's internal key-value store (the GCS), where the live
   tenant list and the last deployed config live (``ray.experimental.internal_kv``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT
@@ -58,6 +63,22 @@ def route_on_serve_loop(handle: DeploymentHandle) -> DeploymentHandle:
     return handle
 
 
+async def broadcast_each(handle: DeploymentHandle, method: str, *args: Any,
+                         timeout_s: float) -> list[Any]:
+    """Call ``method`` on every replica ``handle`` knows; each answer (or its exception, e.g.
+    ``asyncio.TimeoutError`` for one later than ``timeout_s``) in its place. Raises
+    ``ray.serve.exceptions.DeploymentUnavailableError`` when the deployment has no replica,
+    ``asyncio.TimeoutError`` when the call cannot even be sent within ``timeout_s``."""
+    response = handle.broadcast(method, *args)
+    replica_results = await asyncio.wait_for(response._fetch_replica_results_async(), timeout_s)
+
+    async def answer(result: Any) -> Any:
+        return await asyncio.wait_for(result.get_async(), timeout_s)
+
+    return list(await asyncio.gather(*(answer(r) for r in replica_results),
+                                     return_exceptions=True))
+
+
 def kv_put(key: str, value: bytes) -> None:
     """Store ``value`` under ``key`` in the cluster's key-value store (needs a connected Ray
     driver or worker); it outlives every replica."""
@@ -74,5 +95,5 @@ def kv_get(key: str) -> bytes | None:
     return raw or None
 
 
-__all__ = ["PowerOfTwoChoicesRequestRouter", "kv_get", "kv_put", "on_data_plane",
+__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_get", "kv_put", "on_data_plane",
            "route_on_serve_loop", "uses_grpc", "with_version"]

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 from serve_app.config import Priority
 from serve_app.tenancy.fair_queue import BANDS, QUEUE_POLICIES, FairQueue, engine_priority
@@ -47,8 +48,17 @@ class AdmissionController:
     ``capacity`` count sequences (a request weighs its ``n``); ``tenant_in_flight`` counts
     requests.
 
-    Single-threaded (the router's event loop): ``acquire`` by request handlers, ``release`` when a
-    request ends, ``set_capacity`` and ``expire_waiting`` by the model's engine feed."""
+    Only work on the replicas in the engine feed's latest view counts against ``capacity``
+    (:attr:`counted`): a request is counted from its admission, and once its first chunk names
+    its replica (:meth:`assign`) it stops counting while that replica is out of the view
+    (draining, dead, or not answering), because the capacity no longer includes that replica
+    either. Otherwise every scale-down and rolling update froze admission behind the old
+    replicas' streams (200 streams draining beside an idle new replica: 0 of 100 queued
+    requests admitted in 1 s).
+
+    Single-threaded (the router's event loop): ``acquire`` by request handlers, ``assign`` once
+    a request's replica is known, ``release`` when a request ends, ``set_capacity`` and
+    ``expire_waiting`` by the model's engine feed."""
 
     def __init__(self, capacity: int, max_queued: int,
                  on_change: Callable[[AdmissionController], None] | None = None,
@@ -70,6 +80,11 @@ class AdmissionController:
         self.max_queued = max_queued
         self.in_flight = 0
         self.tenant_in_flight: dict[str, int] = {}
+        # Sequences per replica that serves them; the live replicas (None: no view yet, so
+        # everything counts); sequences on replicas outside the view.
+        self.on_replica: Counter[str] = Counter()
+        self.live: frozenset[str] | None = None
+        self.off_view = 0
         # Tenants holding a first-request slot; each frees it at its next release.
         self.overdraft: set[str] = set()
         self.queue: FairQueue[_Waiter] = QUEUE_POLICIES[policy]()
@@ -90,7 +105,20 @@ class AdmissionController:
         by less than the largest ``n`` (16 by default). Requiring room for the whole weight
         starved large requests: smaller ones kept the count above ``capacity - n`` (seen in
         ``make chaos``: a 16-choice request waited minutes behind another tenant's streams)."""
-        return self.in_flight < self.capacity
+        return self.counted < self.capacity
+
+    @property
+    def counted(self) -> int:
+        """Sequences in flight that count against ``capacity``: all but those on replicas
+        outside the latest view."""
+        return self.in_flight - self.off_view
+
+    def assign(self, replica: str, weight: int = 1) -> None:
+        """An admitted request of ``weight`` sequences runs on ``replica`` (its first chunk said
+        so); :meth:`release` must then name the replica."""
+        self.on_replica[replica] += weight
+        if self.live is not None and replica not in self.live:
+            self.off_view += weight
 
     async def acquire(self, tenant: str, band: Priority, weight: int = 1) -> int:
         """Return once the request (``weight``: its sequences, the request's ``n``) may go to
@@ -137,10 +165,19 @@ class AdmissionController:
         self.in_flight += weight
         return engine_priority(band, held) if self._prioritize else 0
 
-    def release(self, tenant: str, service: float, weight: int = 1) -> None:
-        """One admitted request of ``weight`` sequences ended; charge its tenant and admit the
-        next waiters."""
+    def release(self, tenant: str, service: float, weight: int = 1,
+                replica: str | None = None) -> None:
+        """One admitted request of ``weight`` sequences ended (on ``replica``, if it was
+        assigned one); charge its tenant and admit the next waiters."""
         self.in_flight -= weight
+        if replica is not None:
+            left = self.on_replica[replica] - weight
+            if left > 0:
+                self.on_replica[replica] = left
+            else:
+                del self.on_replica[replica]
+            if self.live is not None and replica not in self.live:
+                self.off_view -= weight
         self.overdraft.discard(tenant)
         held = self.tenant_in_flight.get(tenant, 1) - 1
         if held > 0:
@@ -150,9 +187,13 @@ class AdmissionController:
         self.queue.charge(tenant, service)
         self._admit()
 
-    def set_capacity(self, capacity: int) -> None:
-        """The engines' live capacity changed (at least 1); admit waiters if it grew."""
+    def set_capacity(self, capacity: int, live: Collection[str] | None = None) -> None:
+        """The engines' live capacity changed (at least 1), and with ``live`` the replicas in
+        the view it was computed from; admit waiters if there is room."""
         self.capacity = max(1, capacity)
+        if live is not None:
+            self.live = frozenset(live)
+            self.off_view = sum(w for r, w in self.on_replica.items() if r not in self.live)
         self._admit()
 
     def expire_waiting(self, older_than_s: float) -> int:
@@ -191,12 +232,13 @@ class Slot:
     """A request's hold on an admission slot; :meth:`release` is safe to call on every exit
     path (it releases once, and only what was acquired)."""
 
-    __slots__ = ("_controller", "_tenant", "_weight", "priority")
+    __slots__ = ("_controller", "_tenant", "_weight", "_replica", "priority")
 
     def __init__(self) -> None:
         self._controller: AdmissionController | None = None
         self._tenant = ""
         self._weight = 1
+        self._replica: str | None = None
         self.priority = 0
 
     async def acquire(self, controller: AdmissionController, tenant: str, band: Priority,
@@ -204,10 +246,17 @@ class Slot:
         self.priority = await controller.acquire(tenant, band, weight)
         self._controller, self._tenant, self._weight = controller, tenant, weight
 
+    def assign(self, replica: str | None) -> None:
+        """The request runs on ``replica`` (once; ignored without a replica or a hold)."""
+        if replica is None or self._controller is None or self._replica is not None:
+            return
+        self._replica = replica
+        self._controller.assign(replica, self._weight)
+
     def release(self, service: float) -> None:
         controller, self._controller = self._controller, None
         if controller is not None:
-            controller.release(self._tenant, service, self._weight)
+            controller.release(self._tenant, service, self._weight, self._replica)
 
 
 __all__ = ["AdmissionController", "NoReplicaInTime", "QueueFull", "Slot"]

@@ -23,14 +23,15 @@ The limit is absolute (what the engines run plus their small queues), not relati
 router has out: requests that finished in the engine but whose responses are still being sent
 count in the router until they end, and a relative limit counted their places twice (measured:
 a batch of 8 holding 17). Completions free their slots when their responses end (the admission
-controller refills them between polls). With several router replicas each takes its share.
+controller refills them between polls). Several router replicas share the result by demand
+(:mod:`serve_app.admission.share`).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from serve_app.admission.policy import COLD_START_PROBE, share
+from serve_app.admission.policy import COLD_START_PROBE, bounded
 from serve_app.engine.protocol import EngineLoad
 
 
@@ -73,11 +74,11 @@ class EngineFeedbackCapacity:
             room = min(room, free + self.headroom)
         return r.running + room
 
-    def capacity(self, replicas: Sequence[EngineLoad], num_routers: int) -> int:
+    def capacity(self, replicas: Sequence[EngineLoad]) -> int:
         live = {r.replica for r in replicas}
         for gone in [k for k in self._steps if k not in live]:
             del self._steps[gone]
         if not replicas:
             return COLD_START_PROBE
         total = sum(self.replica_target(r) for r in replicas)
-        return share(total, num_routers, self.upper_bound)
+        return bounded(total, self.upper_bound)

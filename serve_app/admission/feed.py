@@ -1,12 +1,18 @@
 """The router's view of one model's engines: polls every live replica's load and turns it into
-the model's admission capacity (and reports the router's backlog to the replicas, which pass it
-on to the autoscaler).
+this router's admission capacity for the model (and reports the router's demand to the
+replicas, which pass the backlog on to the autoscaler and every router's demand back to the
+routers).
 
-One poll is one ``broadcast`` of ``LLMServer.engine_load`` (a few integers back from each
-replica). It runs every ``poll_interval_s`` while the model has requests in flight, at once when
-requests start to queue, and every ``idle_poll_interval_s`` otherwise. Nothing here is on the
-per-token path: requests are admitted and released by the admission controller as they arrive
-and end; the feed only moves the limit.
+One poll is one call of ``LLMServer.engine_load`` on every replica Serve's handle knows (a few
+integers back from each), each bounded on its own: a replica that does not answer within
+``POLL_TIMEOUT_S`` drops out of this poll's view, and the others keep admitting (one slow
+replica used to freeze the whole model's view). A model with no replica has an empty view: its
+requests wait in the fair queue, one goes through to wake Serve's autoscaler
+(:data:`~serve_app.admission.policy.COLD_START_PROBE`), and after ``cold_start_timeout_s``
+they are answered 503. The poll runs every ``poll_interval_s`` while the model has requests in
+flight, at once when requests start to queue, and every ``idle_poll_interval_s`` otherwise.
+Nothing here is on the per-token path: requests are admitted and released by the admission
+controller as they arrive and end; the feed only moves the limit and the view.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ import logging
 import time
 from typing import Callable, Sequence
 
+from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.config import AdmissionSettings
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.policy import CapacityPolicy
+from serve_app.admission.share import share_of
+from serve_app.config import AdmissionSettings
 from serve_app.engine.protocol import EngineLoad
+from serve_app.serve_private import broadcast_each
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +38,10 @@ POLL_TIMEOUT_S = 2.0
 
 
 class EngineFeed:
-    """Keeps ``admission.capacity`` in step with the live replicas of ``model``."""
+    """Keeps ``admission.capacity`` and its view in step with the live replicas of ``model``."""
 
     def __init__(self, model: str, handle: DeploymentHandle, admission: AdmissionController,
-                 policy: CapacityPolicy, settings: AdmissionSettings, num_routers: int,
-                 router_id: str,
+                 policy: CapacityPolicy, settings: AdmissionSettings, router_id: str,
                  on_poll: Callable[[str, Sequence[EngineLoad], int], None] | None = None
                  ) -> None:
         self.model = model
@@ -41,7 +49,6 @@ class EngineFeed:
         self.admission = admission
         self.policy = policy
         self.settings = settings
-        self.num_routers = num_routers
         self.router_id = router_id
         self.replicas: list[EngineLoad] = []  # as of the last successful poll
         self.polled_at = 0.0
@@ -55,31 +62,36 @@ class EngineFeed:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def poll(self) -> list[EngineLoad] | None:
-        """The live replicas' loads, or None when the poll failed or timed out (the previous
-        view then stands: a slow answer must not look like a model without replicas)."""
-        response = self.handle.broadcast("engine_load", self.router_id,
-                                         self.admission.queued())
+        """The loads of the replicas that answered in time ([] when the model has no replica),
+        or None when the poll itself failed (the previous view then stands)."""
+        a = self.admission
         try:
-            results = await asyncio.wait_for(
-                response.results_async(return_exceptions=True), POLL_TIMEOUT_S)
-        except Exception as err:  # timeout, deployment being redeployed, ...
+            results = await broadcast_each(self.handle, "engine_load", self.router_id,
+                                           a.queued(), a.in_flight, timeout_s=POLL_TIMEOUT_S)
+        except DeploymentUnavailableError:  # no replica: an empty view, not a stale one
+            self._failures = 0
+            return []
+        except Exception as err:  # the deployment being redeployed, a poll that hung, ...
             self._failures += 1
             if self._failures in (1, 10) or self._failures % 100 == 0:
                 logger.warning("load poll of %s failed (%d in a row): %r", self.model,
                                self._failures, err)
             return None
         self._failures = 0
-        # A replica that raised (dying, or stopping) is not live for admission.
+        # A replica that raised or did not answer in time (dying, stopping, stuck) is not
+        # live for admission.
         return [r for r in results if isinstance(r, EngineLoad)]
 
     def apply(self, replicas: list[EngineLoad]) -> int:
-        """Set the admission capacity from ``replicas``; returns it."""
+        """Set this router's admission capacity and view from ``replicas``; returns it."""
         self.replicas = replicas
         self.polled_at = time.monotonic()
-        capacity = self.policy.capacity(replicas, self.num_routers)
-        self.admission.set_capacity(capacity)
+        a = self.admission
+        total = self.policy.capacity(replicas)
+        capacity = share_of(total, replicas, self.router_id, a.in_flight + a.queued())
+        a.set_capacity(capacity, live=[r.replica for r in replicas])
         if not replicas:  # cold start: bound how long a request waits for the first replica
-            self.admission.expire_waiting(self.settings.cold_start_timeout_s)
+            a.expire_waiting(self.settings.cold_start_timeout_s)
         self._on_poll(self.model, replicas, capacity)
         return capacity
 

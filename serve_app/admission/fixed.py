@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from serve_app.admission.policy import COLD_START_PROBE, share
+from serve_app.admission.policy import COLD_START_PROBE, bounded
 from serve_app.engine.protocol import EngineLoad
 
 
@@ -17,7 +17,7 @@ class FixedCapacity:
         self.per_replica = per_replica
         self.upper_bound = upper_bound
 
-    def capacity(self, replicas: Sequence[EngineLoad], num_routers: int) -> int:
+    def capacity(self, replicas: Sequence[EngineLoad]) -> int:
         if not replicas:
             return COLD_START_PROBE
-        return share(self.per_replica * len(replicas), num_routers, self.upper_bound)
+        return bounded(self.per_replica * len(replicas), self.upper_bound)

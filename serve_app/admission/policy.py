@@ -1,5 +1,5 @@
 """The admission-capacity contract: from the engines' live load to how many requests of one
-model a router replica may have in flight.
+model its routers may have in flight.
 
 Called by :class:`serve_app.admission.feed.EngineFeed` after every poll of the model's
 replicas (many times a second while there is work); the result goes to the model's
@@ -16,21 +16,21 @@ from serve_app.engine.protocol import EngineLoad
 
 
 class CapacityPolicy(Protocol):
-    """Maps the live replicas' loads to this router replica's in-flight limit for the model."""
+    """Maps the live replicas' loads to the model's in-flight limit (for all its routers
+    together; :mod:`serve_app.admission.share` splits it between them)."""
 
-    def capacity(self, replicas: Sequence[EngineLoad], num_routers: int) -> int:
-        """In-flight limit for one router replica; ``replicas`` are the live ones (possibly
-        none: the result is then 1, so one request reaches Serve, which starts a replica).
-        Called after every poll, in order."""
+    def capacity(self, replicas: Sequence[EngineLoad]) -> int:
+        """The model's in-flight limit; ``replicas`` are the live ones (possibly none: the
+        result is then :data:`COLD_START_PROBE`, so one request reaches Serve, which starts a
+        replica). Called after every poll, in order."""
         ...
 
 
 COLD_START_PROBE = 1  # requests let through while a model has no live replica (see above)
 
 
-def share(total: int, num_routers: int, upper_bound: int | None) -> int:
-    """One router replica's share of ``total`` (each router holds its own queue), bounded."""
-    per_router = -(-total // max(1, num_routers))
+def bounded(total: int, upper_bound: int | None) -> int:
+    """``total`` within ``router.max_in_flight_per_model`` (if set), and at least the probe."""
     if upper_bound is not None:
-        per_router = min(per_router, -(-upper_bound // max(1, num_routers)))
-    return max(COLD_START_PROBE, per_router)
+        total = min(total, upper_bound)
+    return max(COLD_START_PROBE, total)

@@ -159,6 +159,9 @@ class EngineLoad:
     ``active``: requests the replica is serving (tokenizing, in the engine, streaming out).
     ``requests_total``: requests it has taken since it started (how evenly routers spread them).
     ``unfinished``: requests the engine front end still tracks (drops once aborts are processed).
+    ``router_demand``: per router replica that reported to this replica within the last few
+    seconds, its demand for the model (requests it has in flight plus those it holds queued):
+    how the routers share the model's capacity (:mod:`serve_app.admission.share`).
     """
 
     running: int
@@ -172,6 +175,7 @@ class EngineLoad:
     active: int = 0
     requests_total: int = 0
     unfinished: int = 0
+    router_demand: tuple[tuple[str, int], ...] = ()
 
     @property
     def step_intake(self) -> int:

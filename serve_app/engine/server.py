@@ -18,8 +18,8 @@ from serve_app.engine.protocol import Engine, EngineLoad, GenerationRequest, Wir
 
 logger = logging.getLogger(__name__)
 
-# A router's backlog report older than this is dropped (that router is gone or scaled away);
-# routers report several times a second while they hold anything.
+# A router's report older than this is dropped (that router is gone or scaled away); routers
+# report several times a second while they hold anything, and every idle poll interval.
 BACKLOG_REPORT_TTL_S = 3.0
 
 DEFAULT_ENGINE_CLASS = "serve_app.engine.vllm_adapter:VLLMEngine"
@@ -46,8 +46,9 @@ class LLMServer:
         self.engine: Engine = import_engine_class(engine_class)(self.settings)
         self.active = 0  # generate() calls in progress: tokenizing, in the engine, streaming
         self.requests_total = 0  # generate() calls taken since the replica started
-        # router id -> (requests it holds queued for this model, when it said so)
-        self._backlog: dict[str, tuple[int, float]] = {}
+        # router id -> (requests it holds queued for this model, requests it has in flight to
+        # the model's engines, when it said so)
+        self._reports: dict[str, tuple[int, int, float]] = {}
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         self.channels = OutputChannels()
@@ -100,15 +101,18 @@ class LLMServer:
         """Facts the router needs about the served model."""
         return {"name": self.settings.name, "max_model_len": self.engine.max_model_len}
 
-    async def engine_load(self, router_id: str | None = None, router_queued: int = 0
-                          ) -> EngineLoad:
+    async def engine_load(self, router_id: str | None = None, router_queued: int = 0,
+                          router_in_flight: int = 0) -> EngineLoad:
         """This replica's load, for the routers' admission and for tests (cheap, no I/O).
 
         A router calling it (broadcast to every replica) also reports how many requests of this
-        model it holds in its queue: the replicas pass that backlog on to the autoscaler."""
+        model it holds in its queue and has in flight: the replicas pass the backlog on to the
+        autoscaler, and every router's demand back to the routers, which share the model's
+        capacity by it."""
         if router_id is not None:
-            self._backlog[router_id] = (router_queued, time.monotonic())
-        return self.load()
+            self._reports[router_id] = (router_queued, router_in_flight, time.monotonic())
+        return dataclasses.replace(self.load(), router_demand=tuple(
+            (rid, queued + in_flight) for rid, (queued, in_flight, _) in self._fresh_reports()))
 
     def load(self) -> EngineLoad:
         """The engine's load with this replica's own fields filled in."""
@@ -125,12 +129,16 @@ class LLMServer:
         order = getattr(self.engine, "started_order", None)
         return order() if order else []
 
+    def _fresh_reports(self) -> list[tuple[str, tuple[int, int, float]]]:
+        """The routers' reports younger than BACKLOG_REPORT_TTL_S (older ones are dropped)."""
+        now = time.monotonic()
+        for rid in [r for r, (*_, t) in self._reports.items() if now - t > BACKLOG_REPORT_TTL_S]:
+            del self._reports[rid]
+        return list(self._reports.items())
+
     def router_backlog(self) -> int:
         """Requests the routers hold queued for this model, from their fresh reports."""
-        now = time.monotonic()
-        for rid in [r for r, (_, t) in self._backlog.items() if now - t > BACKLOG_REPORT_TTL_S]:
-            del self._backlog[rid]
-        return sum(n for n, _ in self._backlog.values())
+        return sum(queued for _, (queued, _, _) in self._fresh_reports())
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom metrics for :mod:`serve_app.autoscaling` (Serve calls this every

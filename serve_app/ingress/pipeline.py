@@ -227,6 +227,7 @@ class RequestPipeline:
         gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
             first = await _first_chunk(gen)
+            slot.assign(first.replica)  # from now on it counts only while its replica is live
             if self.settings.server_timing:  # the router's phases beside the replica's
                 first.timing = with_router_phases(first.timing, arrived, admitted, sent,
                                                   time.monotonic())

@@ -81,7 +81,7 @@ class OpenAIRouter:
                                 kv_cache_high=adm.kv_cache_high,
                                 fixed_per_replica=m.max_ongoing_requests,
                                 upper_bound=settings.max_in_flight_per_model),
-                adm, settings.num_replicas, router_id, on_poll=gate.engines_polled)
+                adm, router_id, on_poll=gate.engines_polled)
             for m in config_.models}
         # Streams' chunks after the first come batched per replica (serve_app/engine/channel.py).
         channels = ({m.name: ModelChannels(m.name, servers[m.name], router_id)

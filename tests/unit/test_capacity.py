@@ -24,16 +24,16 @@ def policy(headroom=4, kv_high=0.95, bound=None) -> EngineFeedbackCapacity:
 
 
 def test_no_live_replica_lets_one_request_through_to_wake_the_model():
-    assert policy().capacity([], 1) == COLD_START_PROBE == 1
-    assert FixedCapacity(64, None).capacity([], 1) == 1
+    assert policy().capacity([]) == COLD_START_PROBE == 1
+    assert FixedCapacity(64, None).capacity([]) == 1
 
 
 def test_saturated_engine_holds_what_it_runs_plus_headroom():
     p = policy()
     # The H200 flood: the engine ran ~230 while ~280 waited FCFS inside vLLM.
-    assert p.capacity([load(active=510, running=230, waiting=280)], 1) == 234
-    assert p.capacity([load(active=512, running=512, max_running=512)], 1) == 516
-    assert p.capacity([load(active=100, running=100, kv=0.97)], 1) == 104
+    assert p.capacity([load(active=510, running=230, waiting=280)]) == 234
+    assert p.capacity([load(active=512, running=512, max_running=512)]) == 516
+    assert p.capacity([load(active=100, running=100, kv=0.97)]) == 104
 
 
 def test_a_burst_ramps_up_at_the_pace_the_engine_starts_work():
@@ -42,7 +42,7 @@ def test_a_burst_ramps_up_at_the_pace_the_engine_starts_work():
     for _ in range(12):
         # The engine started everything it had been sent at its last step (up to its batch).
         running = min(in_flight, 512)
-        cap = p.capacity([load(active=in_flight, running=running)], 1)
+        cap = p.capacity([load(active=in_flight, running=running)])
         caps.append(cap)
         in_flight = cap  # a deep backlog: the router fills every slot it gets
     assert caps[:5] == [4, 12, 28, 60, 124], caps
@@ -51,36 +51,35 @@ def test_a_burst_ramps_up_at_the_pace_the_engine_starts_work():
 
 def test_no_growth_without_a_new_engine_step():
     p = policy()
-    p.capacity([load(active=40, running=40)], 1)
-    assert p.capacity([load(active=80, running=80)], 1) == 80 + 80  # grew by 40
+    p.capacity([load(active=40, running=40)])
+    assert p.capacity([load(active=80, running=80)]) == 80 + 80  # grew by 40
     # Polled again within the same engine step: the 80 sent since are still pending, so the
     # limit falls back to what it runs plus the headroom until the engine starts them.
-    assert p.capacity([load(active=160, running=80)], 1) == 84
+    assert p.capacity([load(active=160, running=80)]) == 84
 
 
 def test_requests_in_transit_count_as_not_started():
     # 40 sent requests are still being tokenized: vLLM's own waiting says 0.
-    assert policy().capacity([load(active=140, running=100, waiting=0)], 1) == 104
+    assert policy().capacity([load(active=140, running=100, waiting=0)]) == 104
 
 
 def test_capacity_follows_the_replicas_that_exist():
-    one = policy().capacity([load(active=230, running=230, waiting=10)], 1)
+    one = policy().capacity([load(active=230, running=230, waiting=10)])
     two = policy().capacity([load(active=230, running=230, waiting=10, name="a"),
-                             load(active=230, running=230, waiting=10, name="b")], 1)
+                             load(active=230, running=230, waiting=10, name="b")])
     assert one == 234 and two == 2 * one
 
 
-def test_router_replicas_share_the_capacity_and_the_upper_bound_holds():
+def test_the_upper_bound_holds_for_the_model():
     loads = [load(active=230, running=230, waiting=10)]
-    assert policy().capacity(loads, 2) == 117
-    assert policy(bound=100).capacity(loads, 1) == 100
-    assert policy(bound=100).capacity(loads, 4) == 25
+    assert policy().capacity(loads) == 234
+    assert policy(bound=100).capacity(loads) == 100
 
 
 def test_fixed_policy_is_per_live_replica():
     p = capacity_policy("fixed", headroom=4, kv_cache_high=0.9, fixed_per_replica=64,
                         upper_bound=None)
-    assert p.capacity([load(name="a"), load(name="b")], 1) == 128
+    assert p.capacity([load(name="a"), load(name="b")]) == 128
 
 
 def test_admission_follows_capacity_changes_and_cold_start_expires():
@@ -122,17 +121,17 @@ def test_engine_queue_holds_one_steps_worth_of_prompts():
                     prefill_tokens_avg=1024.0)
     assert r.step_intake == 8
     p = policy()
-    p.capacity([r], 1)
+    p.capacity([r])
     # 8 pending = what the next step starts; plus the headroom of 4.
-    assert p.capacity([r], 1) == 292 + 8 + 4
+    assert p.capacity([r]) == 292 + 8 + 4
     short = EngineLoad(replica="r1", active=100, running=100, waiting=0, max_running=512,
                         step_tokens=8192, prefill_tokens_avg=128.0)
-    assert policy().capacity([short], 1) == 100 + 64 + 4
+    assert policy().capacity([short]) == 100 + 64 + 4
     # Cached prefixes: 1,024-token prompts of which 16 tokens need computing start 128 a step.
     cached = EngineLoad(replica="r2", active=300, running=292, waiting=20, max_running=512,
                          step_tokens=2048, prefill_tokens_avg=16.0)
     assert cached.step_intake == 128
-    assert policy().capacity([cached], 1) == 292 + 128 + 4
+    assert policy().capacity([cached]) == 292 + 128 + 4
 
 
 def test_a_tenant_with_nothing_in_flight_gets_in_at_capacity():
@@ -176,7 +175,7 @@ def test_the_engine_never_holds_more_than_its_batch_plus_headroom():
     r = EngineLoad(replica="r0", active=0, running=0, waiting=0, max_running=8, step_tokens=2048,
                     prefill_tokens_avg=2.0)
     p._steps["r0"] = (0, 8)  # the previous step had grown by a whole batch
-    assert p.capacity([r], 1) == 8 + 2
+    assert p.capacity([r]) == 8 + 2
 
 
 def test_short_prompts_do_not_flood_a_full_batch():
@@ -184,7 +183,7 @@ def test_short_prompts_do_not_flood_a_full_batch():
     # full batch starts only as many as finish; the engine queue stays at the headroom.
     r = EngineLoad(replica="r0", active=8, running=8, waiting=0, max_running=8, step_tokens=2048,
                     prefill_tokens_avg=5.0)
-    assert policy().capacity([r], 1) == 8 + 4
+    assert policy().capacity([r]) == 8 + 4
 
 
 def test_idle_tenant_gets_in_while_capacity_dips_below_in_flight_regression():

@@ -90,3 +90,14 @@ def test_private_internal_kv_functions_still_exist():
 
     for name in ("_internal_kv_put", "_internal_kv_get"):
         assert "namespace" in inspect.signature(getattr(internal_kv, name)).parameters, name
+
+
+def test_private_broadcast_response_fetch_and_replica_result_get_async_still_exist():
+    """``DeploymentBroadcastResponse._fetch_replica_results_async`` and
+    ``ReplicaResult.get_async`` (broadcast_each bounds each replica's answer on its own)."""
+    from ray.serve._private.replica_result import ReplicaResult
+    from ray.serve.handle import DeploymentBroadcastResponse
+
+    assert inspect.iscoroutinefunction(DeploymentBroadcastResponse._fetch_replica_results_async)
+    assert inspect.iscoroutinefunction(ReplicaResult.get_async)
+    assert "method_name" in inspect.signature(serve.handle.DeploymentHandle.broadcast).parameters

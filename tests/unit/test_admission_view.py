@@ -1,0 +1,153 @@
+"""Admission that follows the replicas that exist now, and several routers sharing a model's
+capacity by demand (pure logic: the admission controller, the router share and the engine feed
+with a stand-in for Serve's broadcast)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from ray.serve.exceptions import DeploymentUnavailableError
+
+from serve_app.admission import COLD_START_PROBE, capacity_policy
+from serve_app.admission import feed as feed_module
+from serve_app.admission.controller import AdmissionController, Slot
+from serve_app.admission.feed import EngineFeed
+from serve_app.admission.share import router_share, water_fill
+from serve_app.config import AdmissionSettings
+from serve_app.engine.protocol import EngineLoad
+
+
+def _load(replica: str, running: int = 0, waiting: int = 0, active: int = 0,
+          demand: tuple[tuple[str, int], ...] = ()) -> EngineLoad:
+    return EngineLoad(running, waiting, max_running=8, step_tokens=2048, prefill_tokens_avg=512,
+                      replica=replica, active=active or running + waiting, router_demand=demand)
+
+
+# -- the router share -------------------------------------------------------------------------
+def test_a_router_alone_with_the_load_gets_the_whole_engine_regression_split_by_count():
+    """Two routers, all the load on one (uneven HAProxy spread): the fixed split by the router
+    count gave it half, and the engine idled while that router queued."""
+    assert router_share(512, "r1", {"r1": 900, "r2": 0}) == 512
+
+
+def test_backlogged_routers_split_evenly_and_a_small_demand_gets_what_it_asks():
+    assert router_share(100, "r1", {"r1": 500, "r2": 500}) == 50
+    assert router_share(100, "r2", {"r1": 500, "r2": 10}) == 10
+    assert router_share(100, "r1", {"r1": 500, "r2": 10}) == 90
+    shares = water_fill(100, {"a": 5, "b": 40, "c": 400, "d": 400})
+    assert shares["a"] == 5  # asks less than an even part: gets what it asks
+    assert shares["b"] == pytest.approx(95 / 3) == shares["c"] == shares["d"]  # the rest, evenly
+    assert abs(sum(shares.values()) - 100) < 1e-9
+
+
+def test_a_router_with_no_demand_keeps_a_place_to_start_one():
+    assert router_share(100, "r2", {"r1": 500, "r2": 0}) == COLD_START_PROBE
+    assert router_share(100, "r1", {"r1": 0, "r2": 0}) == 50  # nobody asks: even
+
+
+# -- the view ---------------------------------------------------------------------------------
+def test_work_on_a_draining_replica_stops_counting_regression_scale_down_froze_admission():
+    """200 streams on a replica that left the view (draining), an idle new replica with room
+    for 4: queued requests are admitted at once instead of waiting for the old streams."""
+
+    async def main() -> None:
+        a = AdmissionController(400, 1000)
+        slots = [Slot() for _ in range(200)]
+        for slot in slots:
+            await slot.acquire(a, "flood", "normal")
+            slot.assign("old")
+        a.set_capacity(4, live=["new"])
+        waiting = [asyncio.ensure_future(a.acquire("t", "normal")) for _ in range(100)]
+        await asyncio.sleep(0)
+        assert sum(w.done() for w in waiting) == 4
+        assert a.counted == 4 and a.in_flight == 204
+        for slot in slots[:50]:  # old streams end: nothing is admitted for them
+            slot.release(0)
+        await asyncio.sleep(0)
+        assert sum(w.done() for w in waiting) == 4 and a.off_view == 150
+        a.set_capacity(4, live=["old", "new"])  # the old replica back in view: it counts
+        assert a.counted == 154 and not a.has_room()
+        for w in waiting:
+            w.cancel()
+
+    asyncio.run(main())
+
+
+class _Handle:
+    """Stands in for the LLMServer handle: what broadcast_each would return per replica."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+
+@pytest.fixture
+def feed(monkeypatch):
+    calls: list[tuple] = []
+
+    async def broadcast_each(handle, method, *args, timeout_s):
+        calls.append(args)
+        result = handle.answer
+        if isinstance(result, Exception):
+            raise result
+        return list(result)
+
+    monkeypatch.setattr(feed_module, "broadcast_each", broadcast_each)
+
+    def make(answer, router_id: str = "r1") -> tuple[EngineFeed, AdmissionController]:
+        admission = AdmissionController(COLD_START_PROBE, 1000)
+        policy = capacity_policy("engine_feedback", headroom=4, kv_cache_high=0.95,
+                                 fixed_per_replica=8, upper_bound=None)
+        f = EngineFeed("m", _Handle(answer), admission, policy, AdmissionSettings(), router_id)
+        return f, admission
+
+    make.calls = calls  # type: ignore[attr-defined]
+    return make
+
+
+def test_a_model_with_no_replica_has_an_empty_view_regression_stale_view_stood(feed):
+    """Scaled to zero, Serve's broadcast raises; the view used to keep the last replicas (and
+    their capacity), so requests skipped the fair queue into Serve's handle queue."""
+    f, admission = feed([_load("a", running=8), _load("b", running=8)])
+    replicas = asyncio.run(f.poll())
+    assert f.apply(replicas) > COLD_START_PROBE
+    f.handle.answer = DeploymentUnavailableError(SimpleNamespace(name="m", app_name="llm"))
+    replicas = asyncio.run(f.poll())
+    assert replicas == []
+    assert f.apply(replicas) == COLD_START_PROBE and admission.capacity == COLD_START_PROBE
+
+
+def test_a_replica_that_does_not_answer_drops_out_and_the_others_keep_admitting(feed):
+    f, admission = feed([_load("a", running=4), asyncio.TimeoutError(), _load("c", running=4)])
+    replicas = asyncio.run(f.poll())
+    assert [r.replica for r in replicas] == ["a", "c"]
+    f.apply(replicas)
+    assert admission.live == {"a", "c"} and admission.capacity > COLD_START_PROBE
+
+
+def test_a_failed_poll_keeps_the_previous_view(feed):
+    f, _ = feed(RuntimeError("redeploying"))
+    assert asyncio.run(f.poll()) is None
+
+
+def test_the_feed_reports_its_demand_and_takes_its_share_by_everyones(feed):
+    # Another router holds a large backlog; this one has 3 queued.
+    f, admission = feed([_load("a", running=8, demand=(("r2", 1000),))])
+    admission.in_flight = 1
+
+    async def main() -> int:
+        waiting = [asyncio.ensure_future(admission.acquire("t", "normal")) for _ in range(3)]
+        await asyncio.sleep(0)
+        replicas = await f.poll()
+        capacity = f.apply(replicas)
+        for w in waiting:
+            w.cancel()
+        return capacity
+
+    capacity = asyncio.run(main())
+    assert feed.calls[-1] == ("r1", 3, 1)  # router id, queued, in flight
+    total = capacity_policy("engine_feedback", headroom=4, kv_cache_high=0.95,
+                            fixed_per_replica=8, upper_bound=None).capacity(
+        [_load("a", running=8)])
+    assert capacity == router_share(total, "r1", {"r1": 4, "r2": 1000}) == 4
