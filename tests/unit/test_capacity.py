@@ -210,3 +210,14 @@ def test_idle_tenant_gets_in_while_capacity_dips_below_in_flight_regression():
         for t in (waiting, third):
             t.cancel()
     asyncio.run(main())
+
+
+def test_the_config_names_exactly_the_registered_capacity_policies():
+    """`router.admission.policy` is validated against a Literal; it must list the registry."""
+    import typing
+
+    from serve_app.admission import CAPACITY_POLICIES
+    from serve_app.config import AdmissionSettings
+
+    annotation = AdmissionSettings.model_fields["policy"].annotation
+    assert set(typing.get_args(annotation)) == set(CAPACITY_POLICIES)
