@@ -25,11 +25,14 @@ placement Ray chose).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 from serve_app.config import ModelSettings
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,3 +79,34 @@ def split_tensor_parallel_groups(gpu_bundle_nodes: Iterable[str], tensor_paralle
     """
     counts = Counter(gpu_bundle_nodes)
     return {node: n for node, n in counts.items() if n % tensor_parallel_size}
+
+
+def replica_placement_group(tensor_parallel_size: int) -> Any:
+    """The placement group Serve reserved for this replica, for vLLM's Ray executor.
+
+    vLLM's engine core runs in a child process that joins the cluster as a new driver, where
+    Ray's "current placement group" is unset; left alone, its executor would reserve world-size
+    GPUs of its own while this replica already holds them, and wait forever on one GPU host.
+    Handing it the group makes it start one worker per GPU bundle inside it (as Ray Serve LLM
+    does). None outside a placement group (a bare engine): vLLM then reserves its own.
+    """
+    import ray
+    from ray.util import get_current_placement_group, placement_group_table
+
+    group = get_current_placement_group() if ray.is_initialized() else None
+    if group is None:
+        logger.warning("no placement group around this engine; vLLM's Ray executor reserves one")
+        return None
+    table = placement_group_table(group)
+    gpu_nodes = [table["bundles_to_node_id"][i] for i, b in table["bundles"].items()
+                 if b.get("GPU", 0) > 0]
+    split = split_tensor_parallel_groups(gpu_nodes, tensor_parallel_size)
+    if split:
+        # vLLM only warns too; the engine works, with TP all-reduces over the network.
+        logger.warning(
+            "tensor-parallel groups span nodes (GPU bundles per node %s are not multiples of "
+            "tensor_parallel_size=%d): free whole nodes, or use placement_strategy: STRICT_PACK "
+            "when one node can hold the replica", split, tensor_parallel_size)
+    logger.info("vLLM's Ray executor uses this replica's placement group %s (%d GPU bundles)",
+                group.id.hex(), len(gpu_nodes))
+    return group

@@ -107,3 +107,21 @@ class StallWatch:
             return None
         self.overdue_checks += 1
         return waited if self.overdue_checks >= self.checks_to_fail else None
+
+
+class EngineStalledError(RuntimeError):
+    """The engine held requests without a step for longer than its stall timeout."""
+
+
+def kill_child_processes() -> list[int]:
+    """SIGKILL every process under this one: the engine core and the workers it started (a
+    stopped or blocked process ignores anything milder). Returns their pids."""
+    import psutil  # a dependency of vLLM
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [child.pid for child in children]

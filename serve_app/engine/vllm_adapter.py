@@ -21,7 +21,8 @@ from serve_app.engine.protocol import (
     GenerationChunk,
     GenerationRequest,
 )
-from serve_app.engine.stall import StallWatch
+from serve_app.engine.placement import replica_placement_group
+from serve_app.engine.stall import EngineStalledError, StallWatch, kill_child_processes
 from serve_app.engine.timing import replica_phases
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class VLLMEngine:
         usage = UsageContext.OPENAI_API_SERVER
         vllm_config = args.create_engine_config(usage)
         if self.settings.executor_backend == "ray":
-            vllm_config.parallel_config.placement_group = _replica_placement_group(
+            vllm_config.parallel_config.placement_group = replica_placement_group(
                 self.settings.tensor_parallel_size)
         self._engine = AsyncLLM.from_vllm_config(
             vllm_config, usage_context=usage, stat_loggers=loggers,
@@ -149,7 +150,7 @@ class VLLMEngine:
                    f"engine_stall_timeout_s={self.settings.engine_stall_timeout_s}, longest "
                    f"step seen {watch.longest_step_s:.1f} s; {watch.overdue_checks} health "
                    "checks in a row): a hung engine core, or a pipeline stage whose peer is gone")
-        killed = _kill_child_processes()
+        killed = kill_child_processes()
         logger.error("%s; killed its processes %s so that Serve replaces this replica",
                      message, killed)
         raise EngineStalledError(message)
@@ -313,57 +314,6 @@ def _longest_token_chars(tokenizer: Any) -> int:
         return max((len(t) for t in tokenizer.get_vocab()), default=0)
     except Exception:  # a tokenizer without a vocabulary listing: no early bound
         return 0
-
-
-def _replica_placement_group(tensor_parallel_size: int) -> Any:
-    """The placement group Serve reserved for this replica, for vLLM's Ray executor.
-
-    vLLM's engine core runs in a child process that joins the cluster as a new driver, where
-    Ray's "current placement group" is unset; left alone, its executor would reserve world-size
-    GPUs of its own while this replica already holds them, and wait forever on one GPU host.
-    Handing it the group makes it start one worker per GPU bundle inside it (as Ray Serve LLM
-    does). None outside a placement group (a bare engine): vLLM then reserves its own.
-    """
-    import ray
-    from ray.util import get_current_placement_group, placement_group_table
-
-    from serve_app.engine.placement import split_tensor_parallel_groups
-
-    group = get_current_placement_group() if ray.is_initialized() else None
-    if group is None:
-        logger.warning("no placement group around this engine; vLLM's Ray executor reserves one")
-        return None
-    table = placement_group_table(group)
-    gpu_nodes = [table["bundles_to_node_id"][i] for i, b in table["bundles"].items()
-                 if b.get("GPU", 0) > 0]
-    split = split_tensor_parallel_groups(gpu_nodes, tensor_parallel_size)
-    if split:
-        # vLLM only warns too; the engine works, with TP all-reduces over the network.
-        logger.warning(
-            "tensor-parallel groups span nodes (GPU bundles per node %s are not multiples of "
-            "tensor_parallel_size=%d): free whole nodes, or use placement_strategy: STRICT_PACK "
-            "when one node can hold the replica", split, tensor_parallel_size)
-    logger.info("vLLM's Ray executor uses this replica's placement group %s (%d GPU bundles)",
-                group.id.hex(), len(gpu_nodes))
-    return group
-
-
-class EngineStalledError(RuntimeError):
-    """The engine held requests without a step for longer than its stall timeout."""
-
-
-def _kill_child_processes() -> list[int]:
-    """SIGKILL every process under this one: the engine core and the workers it started (a
-    stopped or blocked process ignores anything milder). Returns their pids."""
-    import psutil  # a dependency of vLLM
-
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    return [child.pid for child in children]
 
 
 class _SchedulerCounts:

@@ -60,7 +60,7 @@ def _start_capturing_config(monkeypatch, settings: ModelSettings) -> SimpleNames
 def test_ray_executor_engine_gets_the_replicas_placement_group(monkeypatch):
     group = object()
     asked = []
-    monkeypatch.setattr(vllm_adapter, "_replica_placement_group",
+    monkeypatch.setattr(vllm_adapter, "replica_placement_group",
                         lambda tp: asked.append(tp) or group)
     settings = ModelSettings(name="m", path="/m", tensor_parallel_size=2,
                              pipeline_parallel_size=2)
@@ -70,7 +70,7 @@ def test_ray_executor_engine_gets_the_replicas_placement_group(monkeypatch):
 
 
 def test_engine_without_ray_executor_reserves_nothing(monkeypatch):
-    monkeypatch.setattr(vllm_adapter, "_replica_placement_group",
+    monkeypatch.setattr(vllm_adapter, "replica_placement_group",
                         lambda tp: pytest.fail("only the Ray executor takes a placement group"))
     for settings in (ModelSettings(name="m", path="/m"),
                      ModelSettings(name="m", path="/m", tensor_parallel_size=2,
