@@ -224,9 +224,15 @@ class RequestPipeline:
             generation.reply_to = self.router_id
             ticket = channels.register(builder.request_id)
         sent = time.monotonic()
+        # Sent while the model had no live replica: it waits in Serve's handle queue for one to
+        # start, which for a model that cannot be placed is forever; bound it like the queue.
+        cold = not self.feeds[req.model].replicas
         gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
-            first = await _first_chunk(gen)
+            if cold:
+                first = await self._first_chunk_of_cold_start(gen, req.model)
+            else:
+                first = await _first_chunk(gen)
             slot.assign(first.replica)  # from now on it counts only while its replica is live
             if self.settings.server_timing:  # the router's phases beside the replica's
                 first.timing = with_router_phases(first.timing, arrived, admitted, sent,
@@ -237,6 +243,16 @@ class RequestPipeline:
             if channels is not None and ticket is not None:
                 channels.release(ticket)
             raise
+
+    async def _first_chunk_of_cold_start(self, gen: DeploymentResponseGenerator, model: str
+                                         ) -> GenerationChunk:
+        timeout_s = self.settings.admission.cold_start_timeout_s
+        try:
+            return await asyncio.wait_for(_first_chunk(gen), timeout_s)
+        except asyncio.TimeoutError:
+            raise OpenAIError(503, f"{model} has no replica running yet and none started "
+                              f"within {timeout_s:g} s; retry shortly",
+                              headers={"Retry-After": "5"}) from None
 
     def _stream(self, req: OpenAIRequest, gen: DeploymentResponseGenerator,
                 first: GenerationChunk, ticket: ChannelTicket | None, builder: ResponseBuilder,

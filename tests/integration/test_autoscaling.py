@@ -183,3 +183,19 @@ def test_idle_model_returns_to_zero(scaled):
     t0 = time.monotonic()
     wait_until(lambda: sum(scaled["replicas"]().values()) == 0, 120, 0.5)
     print(f"\nidle model at zero replicas {time.monotonic() - t0:.1f} s later")
+
+
+def test_a_model_back_at_zero_serves_a_second_burst_regression_stale_view(scaled):
+    """After the model went back to zero, a second burst from zero: the router's view of the
+    model is empty (not the last replicas it saw, whose capacity let a burst skip the fair
+    queue into Serve's handle queue), one request wakes the autoscaler, and every request of
+    the burst is served whole."""
+    wait_until(lambda: sum(scaled["replicas"]().values()) == 0, 120, 0.5)
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            return await asyncio.gather(*[_stream(client, scaled["base"], 8) for _ in range(6)])
+
+    results = asyncio.run(main())
+    assert [r["status"] for r in results] == [200] * 6, results
+    assert all(r["done"] and r["finish"] == "length" for r in results), results

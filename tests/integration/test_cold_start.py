@@ -1,0 +1,57 @@
+"""A model that cannot be placed answers 503 with Retry-After once ``cold_start_timeout_s`` has
+passed, for the request sent to wake it and for those queued behind it (before, the request
+sent to Serve's handle queue waited there forever). A second app beside the shared stack, whose
+one replica asks for more CPUs than the machine has."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from .conftest import REPO, wait_until
+
+pytestmark = pytest.mark.integration
+
+APP = "unplaceable"
+PREFIX = "/unplaceable"
+MODEL = "tiny-unplaceable"
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def unplaceable(stack):
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import load_config
+
+    base_cfg = load_config(REPO / "deployments" / "local-cpu.yaml")
+    model = base_cfg.models[0].model_copy(update={"name": MODEL, "cpus_per_replica": 64})
+    router = base_cfg.router.model_copy(update={"admission": base_cfg.router.admission
+                                                .model_copy(update={"cold_start_timeout_s":
+                                                                    TIMEOUT_S})})
+    cfg = base_cfg.model_copy(update={"models": [model], "router": router})
+    serve.run(build_app(cfg), name=APP, route_prefix=PREFIX, blocking=False)
+    wait_until(lambda: httpx.get(f"{stack['base']}{PREFIX}/health", timeout=5)
+               .status_code == 200, 120, 0.5)
+    yield stack["base"] + PREFIX
+    serve.delete(APP)
+
+
+def test_a_model_that_cannot_be_placed_answers_503_within_the_cold_start_timeout(unplaceable):
+    async def one(client: httpx.AsyncClient, stream: bool) -> tuple[int, str | None, float]:
+        t0 = time.monotonic()
+        r = await client.post(f"{unplaceable}/v1/completions", json={
+            "model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": stream})
+        return r.status_code, r.headers.get("retry-after"), time.monotonic() - t0
+
+    async def main() -> list[tuple[int, str | None, float]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[one(client, i % 2 == 0) for i in range(4)])
+
+    results = asyncio.run(main())
+    assert all(status == 503 and retry for status, retry, _ in results), results
+    assert max(took for *_, took in results) <= TIMEOUT_S + 2, results
