@@ -10,7 +10,7 @@ CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
 .PHONY: install model prometheus observe grafana-files run test test-unit test-integration test-parallel bench bench-agreement \
-	bench-fairness chaos bench-vs-bare bench-flood bench-stream bench-ttft bench-parallel \
+	bench-fairness chaos simulate bench-vs-bare bench-flood bench-stream bench-ttft bench-parallel \
 	dashboard-previews cluster-up cluster-down clean
 
 install: $(VENV)/.installed
@@ -107,6 +107,12 @@ bench-fairness: install model
 CHAOS_ARGS ?=
 chaos: install model
 	$(BIN)/serve-app chaos --out bench/out/chaos $(CHAOS_ARGS)
+
+# Admission at cluster scale on a simulated clock (8 routers x 32 replicas and 64 x 256, every
+# event; no Ray): the table of bench/RESULTS.md section 27, exit 1 if a bar of issue 27 is missed.
+SIMULATE_ARGS ?= --jobs 2
+simulate: install
+	$(BIN)/serve-app simulate --json bench/out/simulate.json $(SIMULATE_ARGS)
 
 # On a GPU machine with the project installed (`pip install -e ".[gpu]"`; the scripts use
 # `python3`, or PYTHON=...): bare vLLM against the stack, both arms from the engine arguments of

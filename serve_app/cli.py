@@ -190,6 +190,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return chaos_main(args)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from serve_app.bench.simulate_report import run as simulate_run
+
+    return simulate_run(args)
+
+
 def cmd_haproxy_binary(args: argparse.Namespace) -> int:
     """Write this node's HAProxy wrapper (no kernel splicing) and print its path, for
     ``export RAY_SERVE_HAPROXY_BINARY_PATH=$(serve-app haproxy-binary)`` before ``ray start``."""
@@ -246,6 +252,14 @@ def main(argv: list[str] | None = None) -> int:
 
     add_chaos_arguments(p)
     p.set_defaults(func=cmd_chaos)
+
+    p = sub.add_parser("simulate", help="admission at cluster scale on a simulated clock (the "
+                       "real admission classes, modelled engines; no Ray): utilisation, engine "
+                       "waiting, quiet tenant's wait per shape and event")
+    from serve_app.bench.simulate_report import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(p)
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) to a folder")
     p.add_argument("--out", default="dashboards",

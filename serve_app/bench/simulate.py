@@ -1,0 +1,270 @@
+"""Admission at cluster scale, simulated: the real admission, capacity-policy, router-share and
+fair-queue classes driving modelled engines on a virtual clock (no Ray, no vLLM; issue 27).
+
+Engines are batch slots with step times (:mod:`.simulate_engine`), routers hold the project's
+``AdmissionController`` and ``EngineFeed`` and poll the engines' loads every
+``poll_interval_s`` of simulated time (:mod:`.simulate_cluster`), all on an asyncio loop whose
+clock jumps (:mod:`.simulate_clock`). A flooding tenant keeps about twice the engines' batch
+places in requests (closed loop), a quiet tenant sends one request at a time, round robin over
+the routers. One scenario per event, on top of a steady baseline:
+
+* ``steady``: flood clients spread evenly over the routers;
+* ``uneven``: 70% of the flood clients on one router;
+* ``scale-up``: a quarter more replicas join at the event;
+* ``drain``: a quarter of the replicas start draining at the event (they leave Serve's set);
+* ``router-restart``: one router dies at the event (its queued and streaming requests fail and
+  are sent again elsewhere; its demand report lingers on the replicas for the report TTL), and
+  a new one starts ``restart_s`` later;
+* ``slow-replica``: from the event one replica's load answer misses the poll timeout.
+
+Reported per scenario (measured after ``warmup_s``): engine utilisation (running over the batch
+places of the serving replicas, sampled while some router holds a queue: mean and the worst
+one-second window), engine-side waiting per replica (vLLM's waiting count at each step: the mean
+replica's mean, and the max), the quiet tenant's queue wait and time to first token, requests
+sent to a replica after its drain began, and the time one ``EngineFeed.apply`` takes.
+
+usage: serve-app simulate [--shape 8x32] [--shape 64x256] [--seconds S] [--scenario NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from serve_app.bench.simulate_clock import run_virtual
+from serve_app.bench.simulate_cluster import SimCluster, SimRouter
+from serve_app.bench.simulate_engine import EngineShape
+from serve_app.config import AdmissionSettings, RouterSettings
+
+SCENARIOS = ("steady", "uneven", "scale-up", "drain", "router-restart", "slow-replica")
+
+
+@dataclass(frozen=True)
+class Workload:
+    flood_prompt: int = 512
+    flood_output: int = 64  # each request's output is drawn from 1/2x..3/2x of this
+    flood_per_place: float = 2.0  # flood clients per engine batch place
+    quiet_prompt: int = 128
+    quiet_output: int = 16
+    quiet_think_s: float = 0.05
+    uneven_share: float = 0.7  # of the flood clients on the first router (scenario uneven)
+    retry_s: float = 1.0  # a client's wait after a 429 (the router's Retry-After)
+    restart_s: float = 2.0  # a dead router's replacement starts after this long
+
+
+@dataclass
+class Result:
+    routers: int
+    replicas: int
+    scenario: str
+    seconds: float
+    util_mean: float = 0.0
+    util_min_1s: float = 0.0
+    backlog_frac: float = 0.0  # of the samples with a router queue
+    waiting_mean: float = 0.0
+    waiting_worst: float = 0.0  # the highest replica's mean
+    waiting_max: int = 0
+    headroom: int = 0
+    quiet_n: int = 0
+    quiet_wait_p50_ms: float = 0.0
+    quiet_wait_p99_ms: float = 0.0
+    quiet_ttft_p50_ms: float = 0.0
+    quiet_ttft_p99_ms: float = 0.0
+    sent_to_draining: int = 0
+    failed: int = 0
+    rejected: int = 0
+    flood_done: int = 0
+    apply_ms: float = 0.0
+    polls_per_s: float = 0.0  # views applied per router per second
+    poll_interval_s: float = 0.0
+    cpu_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Simulation:
+    def __init__(self, routers: int, replicas: int, scenario: str, seconds: float,
+                 warmup_s: float, event_s: float, workload: Workload, shape: EngineShape,
+                 settings: AdmissionSettings, max_queued: int, seed: int) -> None:
+        if scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {scenario!r}; one of {SCENARIOS}")
+        self.n_routers, self.n_replicas, self.scenario = routers, replicas, scenario
+        self.seconds, self.warmup_s, self.event_s = seconds, warmup_s, event_s
+        self.w, self.settings, self.max_queued = workload, settings, max_queued
+        self.cluster = SimCluster(shape, settings, seed)
+        self.cluster.measure_from = warmup_s
+        self.slots: list[SimRouter | None] = []
+        self.quiet_wait: list[float] = []
+        self.quiet_ttft: list[float] = []
+        self.util: list[tuple[float, float]] = []  # (time, utilisation) under backlog
+        self.samples = 0
+        self.flood_done = 0
+        self.stop = False
+        self._restarts = 0
+
+    def router_for(self, slot: int) -> SimRouter:
+        """The client's router (HAProxy keeps its connection there), or the next live one."""
+        n = len(self.slots)
+        for k in range(n):
+            r = self.slots[(slot + k) % n]
+            if r is not None:
+                return r
+        raise RuntimeError("no router alive")
+
+    def _new_router(self, slot: int) -> None:
+        name = f"router-{slot}" + (f"-{self._restarts}" if self._restarts else "")
+        r = SimRouter(name, self.settings, self.max_queued)
+        self.slots[slot] = r
+        self.cluster.start_router(r)
+
+    def _flood_slot(self, i: int, clients: int) -> int:
+        if self.scenario == "uneven" and self.n_routers > 1:
+            if i < self.w.uneven_share * clients:
+                return 0
+            return 1 + i % (self.n_routers - 1)
+        return i % self.n_routers
+
+    async def _flood(self, i: int, clients: int) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(i / clients * 0.5)  # clients arrive over half a second
+        slot = self._flood_slot(i, clients)
+        rng = random.Random(i)
+        while not self.stop:
+            output = rng.randint(self.w.flood_output // 2, self.w.flood_output * 3 // 2)
+            got = await self.cluster.request(self.router_for(slot), "flood",
+                                             self.w.flood_prompt, output)
+            if got is None:
+                await asyncio.sleep(self.w.retry_s)
+            elif loop.time() >= self.warmup_s:
+                self.flood_done += 1
+
+    async def _quiet(self) -> None:
+        loop = asyncio.get_running_loop()
+        k = 0
+        while not self.stop:
+            k += 1
+            got = await self.cluster.request(self.router_for(k % self.n_routers), "quiet",
+                                             self.w.quiet_prompt, self.w.quiet_output)
+            if got is not None and loop.time() >= self.warmup_s:
+                self.quiet_wait.append(got[0])
+                self.quiet_ttft.append(got[1])
+            await asyncio.sleep(self.w.quiet_think_s)
+
+    async def _sample(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.stop:
+            await asyncio.sleep(0.05)
+            if loop.time() < self.warmup_s:
+                continue
+            self.samples += 1
+            if not any(r is not None and len(r.admission.queue) for r in self.slots):
+                continue
+            serving = self.cluster.serving
+            places = sum(r.shape.max_num_seqs for r in serving)
+            if places:
+                self.util.append((loop.time(), sum(len(r.running) for r in serving) / places))
+
+    async def _event(self) -> None:
+        await asyncio.sleep(self.event_s)
+        c = self.cluster
+        quarter = max(1, self.n_replicas // 4)
+        if self.scenario == "scale-up":
+            for j in range(quarter):
+                c.add_replica(f"replica-new-{j}")
+        elif self.scenario == "drain":
+            for r in list(c.serving[:quarter]):
+                c.drain(r)
+        elif self.scenario == "slow-replica":
+            c.serving[0].slow = True
+        elif self.scenario == "router-restart":
+            dead = self.slots[0]
+            assert dead is not None
+            self.slots[0] = None
+            c.kill_router(dead)
+            await asyncio.sleep(self.w.restart_s)
+            self._restarts += 1
+            self._new_router(0)
+
+    async def main(self) -> Result:
+        loop = asyncio.get_running_loop()
+        c = self.cluster
+        for j in range(self.n_replicas):
+            c.add_replica(f"replica-{j}")
+        self.slots = [None] * self.n_routers
+        for k in range(self.n_routers):
+            self._new_router(k)
+        clients = int(self.w.flood_per_place * self.n_replicas * c.shape.max_num_seqs)
+        tasks = [loop.create_task(self._flood(i, clients)) for i in range(clients)]
+        tasks += [loop.create_task(self._quiet()), loop.create_task(self._sample()),
+                  loop.create_task(self._event())]
+        await asyncio.sleep(self.seconds)
+        return self._result()
+
+    def _result(self) -> Result:
+        c = self.cluster
+        res = Result(self.n_routers, self.n_replicas, self.scenario, self.seconds,
+                     headroom=self.settings.headroom)
+        if self.util:
+            res.util_mean = statistics.fmean(u for _, u in self.util)
+            windows: dict[int, list[float]] = {}
+            for t, u in self.util:
+                windows.setdefault(int(t), []).append(u)
+            res.util_min_1s = min(statistics.fmean(v) for v in windows.values())
+        res.backlog_frac = len(self.util) / max(1, self.samples)
+        measured = [r for r in c.replicas.values() if r.measured_steps]
+        if measured:
+            res.waiting_mean = statistics.fmean(r.waiting_sum / r.measured_steps
+                                                for r in measured)
+            res.waiting_worst = max(r.waiting_sum / r.measured_steps for r in measured)
+            res.waiting_max = max(r.waiting_max for r in measured)
+        res.quiet_n = len(self.quiet_wait)
+        res.quiet_wait_p50_ms = 1000 * _pct(self.quiet_wait, 0.5)
+        res.quiet_wait_p99_ms = 1000 * _pct(self.quiet_wait, 0.99)
+        res.quiet_ttft_p50_ms = 1000 * _pct(self.quiet_ttft, 0.5)
+        res.quiet_ttft_p99_ms = 1000 * _pct(self.quiet_ttft, 0.99)
+        res.sent_to_draining = sum(r.sent_while_draining for r in c.replicas.values())
+        res.failed, res.rejected, res.flood_done = c.failed, c.rejected, self.flood_done
+        routers = [r for r in self.slots if r is not None]
+        applies = sum(r.applies for r in routers)
+        res.apply_ms = 1000 * sum(r.apply_s for r in routers) / max(1, applies)
+        res.polls_per_s = applies / max(1, len(routers)) / self.seconds
+        res.poll_interval_s = self.settings.poll_interval_s
+        return res
+
+
+def simulate(routers: int, replicas: int, scenario: str, seconds: float = 10.0,
+             warmup_s: float = 2.0, event_s: float | None = None,
+             workload: Workload | None = None, shape: EngineShape | None = None,
+             settings: AdmissionSettings | None = None, max_queued: int | None = None,
+             seed: int = 0) -> Result:
+    """Run one scenario on a fresh virtual clock; the event happens at ``event_s`` (default:
+    a third of the way)."""
+    sim = Simulation(routers, replicas, scenario, seconds, warmup_s,
+                     seconds / 3 if event_s is None else event_s, workload or Workload(),
+                     shape or EngineShape(), settings or AdmissionSettings(),
+                     RouterSettings().max_queued_per_band if max_queued is None else max_queued,
+                     seed)
+    cpu = time.process_time()
+    res = run_virtual(sim.main())
+    res.cpu_s = time.process_time() - cpu
+    return res
+
+
+def bars(res: Result) -> dict[str, bool]:
+    """Issue 27's bars for one result."""
+    return {"utilisation >= 95%": res.util_mean >= 0.95,
+            "waiting <= headroom": res.waiting_mean <= res.headroom,
+            "none sent to draining": res.sent_to_draining == 0}
