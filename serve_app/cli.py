@@ -74,7 +74,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
-        base = start_stack(cfg, address=args.address)
+        try:
+            base = start_stack(cfg, address=args.address)
+        except ConfigError as err:  # e.g. a port in use: named with the setting that moves it
+            print(err, file=sys.stderr)
+            return 2
         # ray.init replaced the SIGTERM handler with one that exits mid-call (seen on the GPU
         # host: the driver aborted while shutting down); ours again, so TERM shuts down cleanly.
         signal.signal(signal.SIGTERM, _on_signal)
