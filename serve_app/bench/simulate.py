@@ -264,7 +264,8 @@ def simulate(routers: int, replicas: int, scenario: str, seconds: float = 10.0,
 
 
 def bars(res: Result) -> dict[str, bool]:
-    """Issue 27's bars for one result."""
-    return {"utilisation >= 95%": res.util_mean >= 0.95,
+    """Issue 27's bars for one result. Utilisation must hold through the event, so every
+    one-second window counts (the mean over a run dilutes a dip of a few seconds)."""
+    return {"utilisation >= 95%": min(res.util_mean, res.util_min_1s) >= 0.95,
             "waiting <= headroom": res.waiting_mean <= res.headroom,
             "none sent to draining": res.sent_to_draining == 0}
