@@ -52,7 +52,9 @@ class SimRouter:
 
 
 class SimCluster:
-    def __init__(self, shape: EngineShape, settings: AdmissionSettings, seed: int = 0) -> None:
+    def __init__(self, shape: EngineShape, settings: AdmissionSettings, seed: int = 0,
+                 report_ttl_s: float = BACKLOG_REPORT_TTL_S) -> None:
+        self.report_ttl_s = report_ttl_s  # how long a replica keeps a router's report
         self.shape = shape
         self.settings = settings
         self.replicas: dict[str, SimReplica] = {}
@@ -95,7 +97,7 @@ class SimCluster:
         a = router.admission
         self.reports[router.rid] = (a.queued() + a.in_flight, now)
         fresh = [(rid, d, t) for rid, (d, t) in self.reports.items()
-                 if now - t <= BACKLOG_REPORT_TTL_S]
+                 if now - t <= self.report_ttl_s]
         if len(fresh) < len(self.reports):
             self.reports = {rid: (d, t) for rid, d, t in fresh}
         everyone = tuple((rid, d) for rid, d, _ in fresh)

@@ -11,6 +11,7 @@ polls every 100 ms and runs 3 simulated seconds (about 2 minutes of CPU for its 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from concurrent.futures import ProcessPoolExecutor
@@ -18,7 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from serve_app.bench.simulate import SCENARIOS, Result, bars, simulate
+from serve_app.bench.simulate import SCENARIOS, Result, Workload, bars, simulate
+from serve_app.bench.simulate_engine import EngineShape
 from serve_app.config import AdmissionSettings
 
 # shape -> (simulated seconds, warm-up seconds, poll interval); --seconds / --poll-interval-s
@@ -48,15 +50,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll-interval-s", type=float, default=None,
                    help="the routers' load poll period (default per shape: "
                    + ", ".join(f"{k} {v[2]:g}" for k, v in SHAPES.items()) + ")")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"each engine's batch places (default {EngineShape.max_num_seqs})")
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help=f"each engine step's token budget (default {EngineShape.step_tokens})")
+    p.add_argument("--flood-in-out", default=None, metavar="IN/OUT",
+                   help=f"flood prompt and mean output tokens (default "
+                   f"{Workload.flood_prompt}/{Workload.flood_output})")
+    p.add_argument("--report-ttl-s", type=float, default=None,
+                   help="how long a replica keeps a router's demand report (default: the "
+                   "LLMServer's, 3 s); to see what a shorter one would change")
     p.add_argument("--jobs", type=int, default=1, help="scenarios run in parallel processes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
-def _one(job: tuple[int, int, str, float, float, float, int]) -> Result:
-    routers, replicas, scenario, seconds, warmup, poll, seed = job
+Job = tuple[int, int, str, float, float, float, int, EngineShape, Workload, "float | None"]
+
+
+def _one(job: Job) -> Result:
+    routers, replicas, scenario, seconds, warmup, poll, seed, shape, workload, ttl = job
     return simulate(routers, replicas, scenario, seconds=seconds, warmup_s=warmup,
-                    settings=AdmissionSettings(poll_interval_s=poll), seed=seed)
+                    settings=AdmissionSettings(poll_interval_s=poll), seed=seed, shape=shape,
+                    workload=workload, report_ttl_s=ttl)
 
 
 def _ms(x: float) -> str:
@@ -84,7 +100,17 @@ def table(results: list[Result]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    jobs: list[tuple[int, int, str, float, float, float, int]] = []
+    jobs: list[Job] = []
+    shape = EngineShape()
+    if args.max_num_seqs or args.step_tokens:
+        shape = dataclasses.replace(shape, max_num_seqs=args.max_num_seqs or shape.max_num_seqs,
+                                    step_tokens=args.step_tokens or shape.step_tokens)
+        shape = dataclasses.replace(shape, kv_tokens=shape.max_num_seqs * 4096)
+    workload = Workload()
+    if args.flood_in_out:
+        prompt, _, output = args.flood_in_out.partition("/")
+        workload = dataclasses.replace(workload, flood_prompt=int(prompt),
+                                       flood_output=int(output))
     for text in args.shape or list(SHAPES):
         routers, replicas = _shape(text)
         seconds, warmup, poll = SHAPES.get(text, SHAPES["8x32"])
@@ -92,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         warmup = min(warmup, seconds / 4)
         poll = args.poll_interval_s or poll
         for scenario in args.scenario or SCENARIOS:
-            jobs.append((routers, replicas, scenario, seconds, warmup, poll, args.seed))
+            jobs.append((routers, replicas, scenario, seconds, warmup, poll, args.seed, shape,
+                         workload, args.report_ttl_s))
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             results = list(pool.map(_one, jobs))
