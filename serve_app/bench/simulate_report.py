@@ -5,7 +5,8 @@ Each shape runs with its own simulated length and poll interval (:data:`SHAPES`)
 x 256 replicas one ``EngineFeed.apply`` takes 4-5 ms of CPU (the demand reports it merges grow
 as routers x replicas: 256 answers of 64 reports each), so the configured 20 ms poll would cost
 a real router about a fifth of its core per model, and the simulation 64 times that; that shape
-polls every 100 ms and runs 3 simulated seconds (about 2 minutes of CPU for its six scenarios).
+polls every 100 ms and runs 4 simulated seconds, the event at 1 s (about 3 minutes of CPU for
+its six scenarios).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from serve_app.bench.simulate import SCENARIOS, Result, Workload, bars, simulate
 from serve_app.bench.simulate_engine import EngineShape
 from serve_app.config import AdmissionSettings
 
-# shape -> (simulated seconds, warm-up seconds, poll interval); --seconds / --poll-interval-s
-# override.
-SHAPES: dict[str, tuple[float, float, float]] = {
-    "8x32": (20.0, 2.0, 0.02),
-    "64x256": (3.0, 1.0, 0.1),
+# shape -> (simulated seconds, warm-up seconds, event at, poll interval); --seconds and
+# --poll-interval-s override. The event must leave more than POLL_TIMEOUT_S (2 s) before the
+# end: a poll with a slow replica in it takes that long.
+SHAPES: dict[str, tuple[float, float, float, float]] = {
+    "8x32": (20.0, 2.0, 6.0, 0.02),
+    "64x256": (4.0, 1.0, 1.0, 0.1),
 }
 
 
@@ -49,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    + ", ".join(f"{k} {v[0]:g}" for k, v in SHAPES.items()) + ")")
     p.add_argument("--poll-interval-s", type=float, default=None,
                    help="the routers' load poll period (default per shape: "
-                   + ", ".join(f"{k} {v[2]:g}" for k, v in SHAPES.items()) + ")")
+                   + ", ".join(f"{k} {v[3]:g}" for k, v in SHAPES.items()) + ")")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"each engine's batch places (default {EngineShape.max_num_seqs})")
     p.add_argument("--step-tokens", type=int, default=None,
@@ -65,12 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
-Job = tuple[int, int, str, float, float, float, int, EngineShape, Workload, "float | None"]
+Job = tuple[int, int, str, float, float, float, float, int, EngineShape, Workload,
+            "float | None"]
 
 
 def _one(job: Job) -> Result:
-    routers, replicas, scenario, seconds, warmup, poll, seed, shape, workload, ttl = job
-    return simulate(routers, replicas, scenario, seconds=seconds, warmup_s=warmup,
+    routers, replicas, scenario, seconds, warmup, event, poll, seed, shape, workload, ttl = job
+    return simulate(routers, replicas, scenario, seconds=seconds, warmup_s=warmup, event_s=event,
                     settings=AdmissionSettings(poll_interval_s=poll), seed=seed, shape=shape,
                     workload=workload, report_ttl_s=ttl)
 
@@ -113,12 +116,15 @@ def run(args: argparse.Namespace) -> int:
                                        flood_output=int(output))
     for text in args.shape or list(SHAPES):
         routers, replicas = _shape(text)
-        seconds, warmup, poll = SHAPES.get(text, SHAPES["8x32"])
-        seconds = args.seconds or seconds
-        warmup = min(warmup, seconds / 4)
+        seconds, warmup, event, poll = SHAPES.get(text, SHAPES["8x32"])
+        if args.seconds:
+            seconds = args.seconds
+            warmup = min(warmup, seconds / 4)
+            event = max(warmup, seconds / 3)
         poll = args.poll_interval_s or poll
         for scenario in args.scenario or SCENARIOS:
-            jobs.append((routers, replicas, scenario, seconds, warmup, poll, args.seed, shape,
+            jobs.append((routers, replicas, scenario, seconds, warmup, event, poll, args.seed,
+                         shape,
                          workload, args.report_ttl_s))
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
@@ -128,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     print(table(results))
     for r, job in zip(results, jobs):
         print(f"{r.routers}x{r.replicas} {r.scenario}: {job[3]:g} s simulated (measured from "
-              f"{job[4]:g} s), poll every {job[5]:g} s, {r.flood_done} flood requests done, "
+              f"{job[4]:g} s, event at {job[5]:g} s), poll every {job[6]:g} s, "
+              f"{r.flood_done} flood requests done, "
               f"{r.cpu_s:.1f} s CPU")
     if args.json:
         out: list[dict[str, Any]] = [asdict(r) | {"bars": bars(r)} for r in results]
