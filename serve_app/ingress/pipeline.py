@@ -230,7 +230,7 @@ class RequestPipeline:
         gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
             if cold:
-                first = await self._first_chunk_of_cold_start(gen, req.model)
+                first = await self._first_chunk_of_cold_start(gen, req.model, arrived)
             else:
                 first = await _first_chunk(gen)
             slot.assign(first.replica)  # from now on it counts only while its replica is live
@@ -244,11 +244,17 @@ class RequestPipeline:
                 channels.release(ticket)
             raise
 
-    async def _first_chunk_of_cold_start(self, gen: DeploymentResponseGenerator, model: str
-                                         ) -> GenerationChunk:
+    async def _first_chunk_of_cold_start(self, gen: DeploymentResponseGenerator, model: str,
+                                         arrived: float) -> GenerationChunk:
+        """The first chunk of a request sent while its model had no live replica, within
+        ``cold_start_timeout_s`` of the request's arrival (a request that waited that long in
+        the queue before it was sent gets its 503 at once, not a second full wait)."""
         timeout_s = self.settings.admission.cold_start_timeout_s
+        left = timeout_s - (time.monotonic() - arrived)
         try:
-            return await asyncio.wait_for(_first_chunk(gen), timeout_s)
+            if left <= 0:
+                raise asyncio.TimeoutError
+            return await asyncio.wait_for(_first_chunk(gen), left)
         except asyncio.TimeoutError:
             raise OpenAIError(503, f"{model} has no replica running yet and none started "
                               f"within {timeout_s:g} s; retry shortly",

@@ -1,7 +1,7 @@
 """A model that cannot be placed answers 503 with Retry-After once ``cold_start_timeout_s`` has
 passed, for the request sent to wake it and for those queued behind it (before, the request
-sent to Serve's handle queue waited there forever). A second app beside the shared stack, whose
-one replica asks for more CPUs than the machine has."""
+sent to Serve's handle queue waited there forever). A second app beside the shared stack, at
+zero replicas, whose replica asks for more CPUs than the machine has."""
 
 from __future__ import annotations
 
@@ -29,7 +29,14 @@ def unplaceable(stack):
     from serve_app.config import load_config
 
     base_cfg = load_config(REPO / "deployments" / "local-cpu.yaml")
-    model = base_cfg.models[0].model_copy(update={"name": MODEL, "cpus_per_replica": 64})
+    # At zero replicas the app is up (serve.run waits for that); the first request asks the
+    # autoscaler for a replica, which no node can hold.
+    model = base_cfg.models[0].model_copy(update={
+        "name": MODEL, "cpus_per_replica": 64,
+        # Serve stops a replica that never started by its graceful-shutdown bound: keep it short.
+        "drain_timeout_s": 2.0,
+        "autoscaling": base_cfg.models[0].autoscaling.model_copy(update={
+            "min_replicas": 0, "max_replicas": 1, "initial_replicas": 0})})
     router = base_cfg.router.model_copy(update={"admission": base_cfg.router.admission
                                                 .model_copy(update={"cold_start_timeout_s":
                                                                     TIMEOUT_S})})
