@@ -28,15 +28,11 @@ usage: serve-app simulate [--shape 8x32] [--shape 64x256] [--seconds S] [--scena
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
 
 from serve_app.bench.simulate_clock import run_virtual
 from serve_app.bench.simulate_cluster import SimCluster, SimRouter

@@ -42,8 +42,9 @@ class SimRouter:
         policy = capacity_policy(settings.policy, headroom=settings.headroom,
                                  kv_cache_high=settings.kv_cache_high, fixed_per_replica=32,
                                  upper_bound=None)
-        self.feed = EngineFeed("sim", None, self.admission, policy, settings,  # type: ignore[arg-type]
-                               rid)
+        # The handle is never used: the simulation polls and calls apply itself.
+        self.feed = EngineFeed("sim", None, self.admission, policy,  # type: ignore[arg-type]
+                               settings, rid)
         self.alive = True
         self.requests: set[asyncio.Task[Any]] = set()
         self.feed_task: asyncio.Task[None] | None = None
