@@ -78,3 +78,19 @@ def assert_only_in_flight_failed(results: list, threads: int) -> list:
     assert not [r for r in failed if "Timeout" in str(r[0])], failed
     assert all(r[0] != 200 or r[2:] == ("error event",) for r in failed), failed
     return failed
+
+
+def greedy_completions(base: str, model: str, prompts: list[str],
+                       headers: dict[str, str] | None = None) -> list[tuple[str, int]]:
+    """Each prompt's greedy completion of 24 tokens (text, tokens): what the parallel tests
+    compare between a sharded replica and the single-rank engine."""
+    out = []
+    with httpx.Client(timeout=120, headers=headers or {}) as c:
+        for prompt in prompts:
+            r = c.post(f"{base}/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            out.append((body["choices"][0]["text"], body["usage"]["completion_tokens"]))
+    return out

@@ -26,6 +26,7 @@ import yaml
 from serve_app.app import llm_server_name
 
 from .conftest import REPO, wait_until
+from .load import greedy_completions
 from .local_cluster import (actors, alive, app_status, free_port, placement_groups,
                             running_cluster, serve_app_cli)
 from .test_pipeline_parallel import PROMPTS, long_parallel
@@ -86,17 +87,8 @@ def _stages(pid: int) -> dict[str, int]:
     return found
 
 
-def _greedy(base: str, model: str, headers: dict) -> list[tuple]:
-    out = []
-    with httpx.Client(timeout=120, headers=headers) as c:
-        for prompt in PROMPTS:
-            r = c.post(f"{base}/v1/completions", json={
-                "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            body = r.json()
-            out.append((body["choices"][0]["text"], body["usage"]["completion_tokens"]))
-    return out
+def _greedy(base: str, model: str, headers: dict[str, str] | None = None) -> list[tuple]:
+    return greedy_completions(base, model, PROMPTS, headers)
 
 
 def test_pp2_replica_on_the_worker_node_then_the_node_dies_under_a_stream(

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from .conftest import REPO, wait_until
+from .load import greedy_completions
 
 pytestmark = pytest.mark.integration
 
@@ -48,16 +49,7 @@ def _ready(base: str) -> bool:
 
 
 def _greedy(base: str, model: str, headers: dict[str, str] | None = None) -> list[tuple]:
-    out = []
-    with httpx.Client(timeout=120, headers=headers or {}) as c:
-        for prompt in PROMPTS:
-            r = c.post(f"{base}/v1/completions", json={
-                "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            body = r.json()
-            out.append((body["choices"][0]["text"], body["usage"]["completion_tokens"]))
-    return out
+    return greedy_completions(base, model, PROMPTS, headers)
 
 
 def test_tp2_replica_matches_single_rank_greedy_output(stack, tp2):
