@@ -64,19 +64,34 @@ def route_on_serve_loop(handle: DeploymentHandle) -> DeploymentHandle:
 
 
 async def broadcast_each(handle: DeploymentHandle, method: str, *args: Any,
-                         timeout_s: float) -> list[Any]:
-    """Call ``method`` on every replica ``handle`` knows; each answer (or its exception, e.g.
-    ``asyncio.TimeoutError`` for one later than ``timeout_s``) in its place. Raises
+                         timeout_s: float, answer_timeout_s: float | None = None) -> list[Any]:
+    """Call ``method`` on every replica ``handle`` knows; each answer (or its exception) in its
+    place. Answers wait together up to ``answer_timeout_s`` (default ``timeout_s``): a call
+    still unanswered then is cancelled and its place holds an ``asyncio.TimeoutError``, so one
+    slow replica costs the caller that deadline, not its own delay. Raises
     ``ray.serve.exceptions.DeploymentUnavailableError`` when the deployment has no replica,
     ``asyncio.TimeoutError`` when the call cannot even be sent within ``timeout_s``."""
     response = handle.broadcast(method, *args)
     replica_results = await asyncio.wait_for(response._fetch_replica_results_async(), timeout_s)
-
-    async def answer(result: Any) -> Any:
-        return await asyncio.wait_for(result.get_async(), timeout_s)
-
-    return list(await asyncio.gather(*(answer(r) for r in replica_results),
-                                     return_exceptions=True))
+    tasks = [asyncio.ensure_future(r.get_async()) for r in replica_results]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, timeout=timeout_s if answer_timeout_s is None
+                           else answer_timeout_s)
+    finally:
+        for task in tasks:  # late (or the caller was cancelled): the call is given up
+            if not task.done():
+                task.cancel()
+    answers: list[Any] = []
+    for task in tasks:
+        if not task.done() or task.cancelled():  # cancelled just now: late
+            answers.append(asyncio.TimeoutError())
+        elif task.exception() is not None:
+            answers.append(task.exception())
+        else:
+            answers.append(task.result())
+    return answers
 
 
 def kv_put(key: str, value: bytes) -> None:

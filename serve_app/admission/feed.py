@@ -4,9 +4,13 @@ replicas, which pass the backlog on to the autoscaler and every router's demand 
 routers).
 
 One poll is one call of ``LLMServer.engine_load`` on every replica Serve's handle knows (a few
-integers back from each), each bounded on its own: a replica that does not answer within
-``POLL_TIMEOUT_S`` drops out of this poll's view, and the others keep admitting (one slow
-replica used to freeze the whole model's view). A model with no replica has an empty view: its
+integers back from each). The answers in hand after ``ANSWER_DEADLINE_S`` make the view; a
+replica that answered none of the polls of the last ``POLL_TIMEOUT_S`` drops out of it, and
+until then its last answer stands in (its work keeps counting: a replica that flapped out of
+the view for one late answer would let the routers admit its in-flight work again). So one slow
+replica neither freezes the others' view (with one gather over all answers, every poll took
+the slow one's timeout: views fell from 48 to 15 a second, bench/RESULTS.md 27) nor takes its
+own work out of the count. A model with no replica has an empty view: its
 requests wait in the fair queue, one goes through to wake Serve's autoscaler
 (:data:`~serve_app.admission.policy.COLD_START_PROBE`), and after ``cold_start_timeout_s``
 they are answered 503. The poll runs every ``poll_interval_s`` while the model has requests in
@@ -34,7 +38,10 @@ from serve_app.serve_private import broadcast_each
 
 logger = logging.getLogger(__name__)
 
-POLL_TIMEOUT_S = 2.0
+POLL_TIMEOUT_S = 2.0  # a replica silent this long is not live for admission
+# Answers wait together this long; a replica's engine_load is a few integers from its event
+# loop (about a millisecond), so only a stuck or overloaded replica misses it.
+ANSWER_DEADLINE_S = 0.25
 
 
 class EngineFeed:
@@ -55,6 +62,8 @@ class EngineFeed:
         self._on_poll = on_poll or (lambda *_: None)
         self._task: asyncio.Task[None] | None = None
         self._failures = 0
+        self._answered: dict[str, tuple[EngineLoad, float]] = {}  # replica -> last answer, when
+        self.held = 0  # answers stood in for a late replica, since start (admission_state)
 
     def start(self) -> None:
         """Start polling on the running event loop (idempotent)."""
@@ -62,14 +71,16 @@ class EngineFeed:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def poll(self) -> list[EngineLoad] | None:
-        """The loads of the replicas that answered in time ([] when the model has no replica),
-        or None when the poll itself failed (the previous view then stands)."""
+        """The view of one poll (:meth:`view_of`; [] when the model has no replica), or None
+        when the poll itself failed (the previous view then stands)."""
         a = self.admission
         try:
             results = await broadcast_each(self.handle, "engine_load", self.router_id,
-                                           a.queued(), a.in_flight, timeout_s=POLL_TIMEOUT_S)
+                                           a.queued(), a.in_flight, timeout_s=POLL_TIMEOUT_S,
+                                           answer_timeout_s=ANSWER_DEADLINE_S)
         except DeploymentUnavailableError:  # no replica: an empty view, not a stale one
             self._failures = 0
+            self._answered.clear()
             return []
         except Exception as err:  # the deployment being redeployed, a poll that hung, ...
             self._failures += 1
@@ -78,9 +89,28 @@ class EngineFeed:
                                self._failures, err)
             return None
         self._failures = 0
-        # A replica that raised or did not answer in time (dying, stopping, stuck) is not
-        # live for admission.
-        return [r for r in results if isinstance(r, EngineLoad)]
+        # A replica that raised (dying, stopping) is not live for admission; one that was
+        # late may be for a while.
+        late = sum(isinstance(r, asyncio.TimeoutError) for r in results)
+        return self.view_of([r for r in results if isinstance(r, EngineLoad)], late,
+                            time.monotonic())
+
+    def view_of(self, answers: list[EngineLoad], late: int, now: float) -> list[EngineLoad]:
+        """The view from one poll at ``now``: every replica that answered, then the last answer
+        of up to ``late`` replicas that were in the view, did not answer this time and did
+        answer within ``POLL_TIMEOUT_S`` (the most recent first). A broadcast's late answers
+        carry no replica id; a replica Serve took out of its set is not called, so it is not
+        among the ``late`` and drops out at once."""
+        for load in answers:
+            self._answered[load.replica] = (load, now)
+        answered = {load.replica for load in answers}
+        missing = sorted(((load, at) for rid, (load, at) in self._answered.items()
+                          if rid not in answered and now - at <= POLL_TIMEOUT_S),
+                         key=lambda item: -item[1])[:late]
+        self._answered = {load.replica: (load, at) for load, at in missing} | {
+            rid: self._answered[rid] for rid in answered}
+        self.held += len(missing)
+        return answers + [load for load, _ in missing]
 
     def apply(self, replicas: list[EngineLoad]) -> int:
         """Set this router's admission capacity and view from ``replicas``; returns it."""

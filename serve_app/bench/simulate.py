@@ -95,15 +95,15 @@ class Simulation:
     def __init__(self, routers: int, replicas: int, scenario: str, seconds: float,
                  warmup_s: float, event_s: float, workload: Workload, shape: EngineShape,
                  settings: AdmissionSettings, max_queued: int, seed: int,
-                 report_ttl_s: float | None = None) -> None:
+                 report_ttl_s: float | None = None, channel_goodbye: bool = True) -> None:
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; one of {SCENARIOS}")
         self.n_routers, self.n_replicas, self.scenario = routers, replicas, scenario
         self.seconds, self.warmup_s, self.event_s = seconds, warmup_s, event_s
         self.w, self.settings, self.max_queued = workload, settings, max_queued
-        self.cluster = SimCluster(shape, settings, seed)
+        self.cluster = SimCluster(shape, settings, seed, channel_goodbye=channel_goodbye)
         if report_ttl_s is not None:
-            self.cluster.report_ttl_s = report_ttl_s
+            self.cluster.reports.demand_ttl_s = report_ttl_s
         self.cluster.measure_from = warmup_s
         self.slots: list[SimRouter | None] = []
         self.quiet_wait: list[float] = []
@@ -248,14 +248,15 @@ def simulate(routers: int, replicas: int, scenario: str, seconds: float = 10.0,
              warmup_s: float = 2.0, event_s: float | None = None,
              workload: Workload | None = None, shape: EngineShape | None = None,
              settings: AdmissionSettings | None = None, max_queued: int | None = None,
-             seed: int = 0, report_ttl_s: float | None = None) -> Result:
+             seed: int = 0, report_ttl_s: float | None = None, channel_goodbye: bool = True
+             ) -> Result:
     """Run one scenario on a fresh virtual clock; the event happens at ``event_s`` (default:
     a third of the way)."""
     sim = Simulation(routers, replicas, scenario, seconds, warmup_s,
                      seconds / 3 if event_s is None else event_s, workload or Workload(),
                      shape or EngineShape(), settings or AdmissionSettings(),
                      RouterSettings().max_queued_per_band if max_queued is None else max_queued,
-                     seed, report_ttl_s)
+                     seed, report_ttl_s, channel_goodbye)
     cpu = time.process_time()
     res = run_virtual(sim.main())
     res.cpu_s = time.process_time() - cpu

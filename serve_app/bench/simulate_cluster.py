@@ -6,10 +6,12 @@ real :class:`~serve_app.admission.feed.EngineFeed` (its handle unused): the simu
 stands in for the poll itself, then calls ``EngineFeed.apply``, so the capacity policy, the
 share by demand and the view go through the project's own code. The poll mirrors
 ``EngineFeed._run`` and ``serve_private.broadcast_each``: every replica in Serve's set records
-the router's report (queued, in flight) and answers its load with every fresh report; the
-answers are gathered, so one replica that misses ``POLL_TIMEOUT_S`` delays the whole poll to
-the timeout and drops out of it. A replica that is draining has left Serve's set: it takes no
-new request and no poll, and finishes its own. Replica choice is Serve's power of two choices
+the router's report (queued, in flight) and answers its load with every fresh report (one
+:class:`~serve_app.engine.router_reports.RouterReports` stands for every replica's identical
+copy); a slow replica misses the answer deadline, so the poll takes ``ANSWER_DEADLINE_S`` and
+``EngineFeed.view_of`` holds its last answer until ``POLL_TIMEOUT_S``. A router that dies
+closes its output channels, and the replicas forget its report. A replica that is draining
+has left Serve's set: it takes no new request and no poll, and finishes its own. Replica choice is Serve's power of two choices
 among the serving replicas, by requests on each.
 """
 
@@ -22,10 +24,10 @@ from typing import Any
 
 from serve_app.admission import COLD_START_PROBE, capacity_policy
 from serve_app.admission.controller import AdmissionController, QueueFull, Slot
-from serve_app.admission.feed import POLL_TIMEOUT_S, EngineFeed
+from serve_app.admission.feed import ANSWER_DEADLINE_S, EngineFeed
 from serve_app.bench.simulate_engine import EngineShape, SimReplica, SimRequest
 from serve_app.config import AdmissionSettings
-from serve_app.engine.server import BACKLOG_REPORT_TTL_S
+from serve_app.engine.router_reports import DEMAND_REPORT_TTL_S, RouterReports
 from serve_app.tenancy.fair_queue import service_of
 
 POLL_RTT_S = 0.001  # a broadcast's answers when every replica answers at once
@@ -54,13 +56,15 @@ class SimRouter:
 
 class SimCluster:
     def __init__(self, shape: EngineShape, settings: AdmissionSettings, seed: int = 0,
-                 report_ttl_s: float = BACKLOG_REPORT_TTL_S) -> None:
-        self.report_ttl_s = report_ttl_s  # how long a replica keeps a router's report
+                 report_ttl_s: float = DEMAND_REPORT_TTL_S,
+                 channel_goodbye: bool = True) -> None:
         self.shape = shape
         self.settings = settings
         self.replicas: dict[str, SimReplica] = {}
         self.serving: list[SimReplica] = []
-        self.reports: dict[str, tuple[int, float]] = {}  # router -> (demand, reported at)
+        self.reports = RouterReports(clock=lambda: asyncio.get_running_loop().time(),
+                                     demand_ttl_s=report_ttl_s)
+        self.channel_goodbye = channel_goodbye  # a dead router's report is forgotten at once
         self.rng = random.Random(seed)
         self.failed = 0  # requests cut or refused by a router that went away
         self.rejected = 0  # 429s (a band's queue full)
@@ -94,24 +98,13 @@ class SimCluster:
     def poll(self, router: SimRouter) -> tuple[list[Any], float]:
         """What ``broadcast_each(engine_load)`` gives ``router`` now: the loads of the replicas
         that answer in time, and how long the gather takes."""
-        now = asyncio.get_running_loop().time()
         a = router.admission
-        self.reports[router.rid] = (a.queued() + a.in_flight, now)
-        fresh = [(rid, d, t) for rid, (d, t) in self.reports.items()
-                 if now - t <= self.report_ttl_s]
-        if len(fresh) < len(self.reports):
-            self.reports = {rid: (d, t) for rid, d, t in fresh}
-        everyone = tuple((rid, d) for rid, d, _ in fresh)
-        loads = []
-        slow = False
-        for r in self.serving:
-            if r.slow:
-                slow = True
-                continue
-            demand = everyone if r.joined_at <= now - self.settings.poll_interval_s * 2 else \
-                tuple((rid, d) for rid, d, t in fresh if t >= r.joined_at)
-            loads.append(r.load(demand))
-        return loads, POLL_TIMEOUT_S if slow else POLL_RTT_S
+        self.reports.record(router.rid, a.queued(), a.in_flight)
+        everyone = self.reports.demand()
+        loads = [r.load(everyone) for r in self.serving if not r.slow]
+        late = sum(r.slow for r in self.serving)
+        now = asyncio.get_running_loop().time()
+        return router.feed.view_of(loads, late, now), ANSWER_DEADLINE_S if late else POLL_RTT_S
 
     async def run_feed(self, router: SimRouter) -> None:
         """``EngineFeed._run`` on the simulated poll."""
@@ -139,8 +132,11 @@ class SimCluster:
 
     def kill_router(self, router: SimRouter) -> None:
         """The router replica dies: its feed stops, its queued and streaming requests fail (the
-        engines abort the streams it carried); its report stays on the replicas until the TTL."""
+        engines abort the streams it carried). Its output channels close, so the replicas forget
+        its report (without channels, the report stays until the demand TTL)."""
         router.alive = False
+        if self.channel_goodbye:
+            self.reports.forget(router.rid)
         if router.feed_task is not None:
             router.feed_task.cancel()
         for task in list(router.requests):

@@ -60,22 +60,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"flood prompt and mean output tokens (default "
                    f"{Workload.flood_prompt}/{Workload.flood_output})")
     p.add_argument("--report-ttl-s", type=float, default=None,
-                   help="how long a replica keeps a router's demand report (default: the "
-                   "LLMServer's, 3 s); to see what a shorter one would change")
+                   help="how long a router's demand report counts on a replica (default: the "
+                   "LLMServer's, engine/router_reports.py); to see what another would change")
+    p.add_argument("--no-channel-goodbye", action="store_true",
+                   help="a router that dies leaves its report until the TTL (as with output "
+                   "channels off) instead of being forgotten when its channels close")
     p.add_argument("--jobs", type=int, default=1, help="scenarios run in parallel processes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
 Job = tuple[int, int, str, float, float, float, float, int, EngineShape, Workload,
-            "float | None"]
+            "float | None", bool]
 
 
 def _one(job: Job) -> Result:
-    routers, replicas, scenario, seconds, warmup, event, poll, seed, shape, workload, ttl = job
+    (routers, replicas, scenario, seconds, warmup, event, poll, seed, shape, workload, ttl,
+     goodbye) = job
     return simulate(routers, replicas, scenario, seconds=seconds, warmup_s=warmup, event_s=event,
                     settings=AdmissionSettings(poll_interval_s=poll), seed=seed, shape=shape,
-                    workload=workload, report_ttl_s=ttl)
+                    workload=workload, report_ttl_s=ttl, channel_goodbye=goodbye)
 
 
 def _ms(x: float) -> str:
@@ -124,8 +128,7 @@ def run(args: argparse.Namespace) -> int:
         poll = args.poll_interval_s or poll
         for scenario in args.scenario or SCENARIOS:
             jobs.append((routers, replicas, scenario, seconds, warmup, event, poll, args.seed,
-                         shape,
-                         workload, args.report_ttl_s))
+                         shape, workload, args.report_ttl_s, not args.no_channel_goodbye))
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
             results = list(pool.map(_one, jobs))

@@ -6,21 +6,18 @@ stand-in engine while production uses :class:`serve_app.engine.vllm_adapter.VLLM
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
 import logging
-import time
 from typing import Any, AsyncIterator
 
 from serve_app.config import ModelSettings
 from serve_app.engine.channel import Batch, OutputChannels
 from serve_app.engine.protocol import Engine, EngineLoad, GenerationRequest, WireChunk
+from serve_app.engine.router_reports import RouterReports
 
 logger = logging.getLogger(__name__)
-
-# A router's report older than this is dropped (that router is gone or scaled away); routers
-# report several times a second while they hold anything, and every idle poll interval.
-BACKLOG_REPORT_TTL_S = 3.0
 
 DEFAULT_ENGINE_CLASS = "serve_app.engine.vllm_adapter:VLLMEngine"
 
@@ -46,9 +43,7 @@ class LLMServer:
         self.engine: Engine = import_engine_class(engine_class)(self.settings)
         self.active = 0  # generate() calls in progress: tokenizing, in the engine, streaming
         self.requests_total = 0  # generate() calls taken since the replica started
-        # router id -> (requests it holds queued for this model, requests it has in flight to
-        # the model's engines, when it said so)
-        self._reports: dict[str, tuple[int, int, float]] = {}
+        self.reports = RouterReports()  # the router replicas' demand for this model
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         self.channels = OutputChannels()
@@ -94,8 +89,14 @@ class LLMServer:
         if target_replica != self.replica_id:  # the pin failed: never read another's outbox
             raise RuntimeError(f"channel for replica {target_replica} reached "
                                f"{self.replica_id}")
-        async for batch in self.channels.stream(router_id):
-            yield batch
+        try:
+            async for batch in self.channels.stream(router_id):
+                yield batch
+        except (asyncio.CancelledError, GeneratorExit):
+            # The router is gone (a channel that ends by itself or is replaced returns; one
+            # whose router died is cancelled): its demand must not hold its share.
+            self.reports.forget(router_id)
+            raise
 
     async def model_info(self) -> dict[str, Any]:
         """Facts the router needs about the served model."""
@@ -110,9 +111,8 @@ class LLMServer:
         autoscaler, and every router's demand back to the routers, which share the model's
         capacity by it."""
         if router_id is not None:
-            self._reports[router_id] = (router_queued, router_in_flight, time.monotonic())
-        return dataclasses.replace(self.load(), router_demand=tuple(
-            (rid, queued + in_flight) for rid, (queued, in_flight, _) in self._fresh_reports()))
+            self.reports.record(router_id, router_queued, router_in_flight)
+        return dataclasses.replace(self.load(), router_demand=self.reports.demand())
 
     def load(self) -> EngineLoad:
         """The engine's load with this replica's own fields filled in."""
@@ -129,23 +129,12 @@ class LLMServer:
         order = getattr(self.engine, "started_order", None)
         return order() if order else []
 
-    def _fresh_reports(self) -> list[tuple[str, tuple[int, int, float]]]:
-        """The routers' reports younger than BACKLOG_REPORT_TTL_S (older ones are dropped)."""
-        now = time.monotonic()
-        for rid in [r for r, (*_, t) in self._reports.items() if now - t > BACKLOG_REPORT_TTL_S]:
-            del self._reports[rid]
-        return list(self._reports.items())
-
-    def router_backlog(self) -> int:
-        """Requests the routers hold queued for this model, from their fresh reports."""
-        return sum(queued for _, (queued, _, _) in self._fresh_reports())
-
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom metrics for :mod:`serve_app.autoscaling` (Serve calls this every
         ``metrics_interval_s``). ``in_engine``: this replica's own requests; ``router_queued``:
         the model's backlog in the routers, the same figure on every replica."""
         return {"in_engine": float(self.load().in_engine),
-                "router_queued": float(self.router_backlog())}
+                "router_queued": float(self.reports.backlog())}
 
     async def check_health(self) -> None:
         """Raise when the engine is dead; a busy engine is healthy (no request is issued)."""

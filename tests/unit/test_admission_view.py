@@ -13,10 +13,13 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from serve_app.admission import COLD_START_PROBE, capacity_policy
 from serve_app.admission import feed as feed_module
 from serve_app.admission.controller import AdmissionController, Slot
-from serve_app.admission.feed import EngineFeed
-from serve_app.admission.share import router_share, water_fill
+from serve_app.admission.feed import POLL_TIMEOUT_S, EngineFeed
+from serve_app.admission.share import DEMAND_SAMPLE, router_demands, router_share, water_fill
 from serve_app.config import AdmissionSettings
 from serve_app.engine.protocol import EngineLoad
+from serve_app.engine.router_reports import (BACKLOG_REPORT_TTL_S, DEMAND_REPORT_TTL_S,
+                                             RouterReports)
+from serve_app.serve_private import broadcast_each
 
 
 def _load(replica: str, running: int = 0, waiting: int = 0, active: int = 0,
@@ -86,7 +89,7 @@ class _Handle:
 def feed(monkeypatch):
     calls: list[tuple] = []
 
-    async def broadcast_each(handle, method, *args, timeout_s):
+    async def broadcast_each(handle, method, *args, timeout_s, answer_timeout_s=None):
         calls.append(args)
         result = handle.answer
         if isinstance(result, Exception):
@@ -151,3 +154,99 @@ def test_the_feed_reports_its_demand_and_takes_its_share_by_everyones(feed):
                             fixed_per_replica=8, upper_bound=None).capacity(
         [_load("a", running=8)])
     assert capacity == router_share(total, "r1", {"r1": 4, "r2": 1000}) == 4
+
+
+def test_a_late_replica_keeps_its_last_load_until_the_poll_timeout(feed):
+    """A replica that misses one answer deadline stays in the view with its last load (its
+    work keeps counting: dropping it for one late answer let the routers admit its in-flight
+    work again); one silent for POLL_TIMEOUT_S drops out."""
+    f, admission = feed([])
+    assert len(f.view_of([_load("a", running=4), _load("b", running=4)], 0, 10.0)) == 2
+    view = f.view_of([_load("a", running=5)], 1, 10.5)  # b late
+    assert [(r.replica, r.running) for r in view] == [("a", 5), ("b", 4)]
+    f.apply(view)
+    assert admission.live == {"a", "b"}
+    assert [r.replica for r in f.view_of([_load("a")], 1, 10.0 + POLL_TIMEOUT_S + 0.1)] == ["a"]
+    assert [r.replica for r in f.view_of([_load("a"), _load("b")], 0, 13.0)] == ["a", "b"]
+
+
+def test_a_replica_serve_took_out_of_its_set_is_not_held(feed):
+    """A draining replica is no longer called (it is not among the late answers): it leaves
+    the view at once, so work on it stops counting."""
+    f, _ = feed([])
+    f.view_of([_load("a"), _load("b")], 0, 1.0)
+    assert [r.replica for r in f.view_of([_load("a")], 0, 1.1)] == ["a"]
+
+
+class _Result:
+    def __init__(self, delay_s: float, value: object) -> None:
+        self.delay_s, self.value, self.cancelled = delay_s, value, False
+
+    async def get_async(self) -> object:
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        return self.value
+
+
+class _Broadcast:
+    def __init__(self, results: list[_Result]) -> None:
+        self.results = results
+
+    def broadcast(self, method: str, *args: object) -> "_Broadcast":
+        return self
+
+    async def _fetch_replica_results_async(self) -> list[_Result]:
+        return self.results
+
+
+def test_one_slow_replica_costs_the_answer_deadline_not_its_delay():
+    """broadcast_each returns the answers in hand at the deadline; the late call is given up
+    (cancelled) and its place holds a TimeoutError (one gather over all answers held every
+    poll to the slow replica's timeout: views fell from 48 to 15 a second)."""
+    slow = _Result(30.0, "slow")
+    handle = _Broadcast([_Result(0.0, "a"), slow, _Result(0.01, "c")])
+
+    async def main() -> tuple[list[object], float]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        answers = await broadcast_each(handle, "engine_load", timeout_s=2.0,  # type: ignore
+                                       answer_timeout_s=0.2)
+        return answers, loop.time() - t0
+
+    answers, took = asyncio.run(main())
+    assert answers[0] == "a" and answers[2] == "c"
+    assert isinstance(answers[1], asyncio.TimeoutError) and slow.cancelled
+    assert took < 1.0
+
+
+# -- the routers' reports on a replica --------------------------------------------------------
+def test_a_dead_routers_demand_stops_counting_regression_stale_report_trapped_capacity():
+    """A router that stopped reporting (crashed, restarted under a new id) held its share for
+    the 3 s backlog TTL, and the engine-feedback capacity stayed trapped at what the live
+    routers were let admit (74% of the engine at 4x8 in the simulation). Its demand now counts
+    for DEMAND_REPORT_TTL_S; its queued backlog still reaches the autoscaler for longer; a
+    router whose channel closed is forgotten at once."""
+    now = [0.0]
+    reports = RouterReports(clock=lambda: now[0])
+    reports.record("dead", 7, 100)
+    reports.record("live", 2, 50)
+    assert dict(reports.demand()) == {"dead": 107, "live": 52}
+    now[0] = DEMAND_REPORT_TTL_S + 0.01
+    reports.record("live", 2, 50)
+    assert dict(reports.demand()) == {"live": 52}
+    assert reports.backlog() == 9
+    now[0] = BACKLOG_REPORT_TTL_S + 0.01
+    assert reports.backlog() == 2
+    reports.forget("live")
+    assert reports.demand() == () and reports.backlog() == 0
+
+
+def test_demands_are_read_from_a_few_replicas_regression_apply_grew_as_routers_x_replicas():
+    """Every replica holds every router's report: the first DEMAND_SAMPLE answers give them
+    all (merging all 256 answers of 64 reports cost 4-5 ms per poll at 64x256)."""
+    reps = [_load(f"x{i}", demand=(("r2", 10), ("r3", 20))) for i in range(DEMAND_SAMPLE)]
+    reps.append(_load("late", demand=(("r2", 999),)))
+    assert router_demands(reps, "r1", 5) == {"r1": 5, "r2": 10, "r3": 20}
