@@ -122,6 +122,9 @@ class RequestPipeline:
             return response
         except OpenAIError as err:
             status = err.status_code
+            # Every authenticated answer carries the tenant's rate-limit state, errors too (a
+            # 429's remaining figures are what tells a client how long to back off).
+            err.headers = {**self.gate.ratelimit_headers(tenant), **(err.headers or {})}
             raise
         except asyncio.CancelledError:
             status = 499
@@ -186,12 +189,12 @@ class RequestPipeline:
             raise
         if req.stream:  # a non-streaming response has no first token before its last one
             self.gate.first_token(tenant, req.model, time.monotonic() - arrived)
-        headers = {"X-Request-Id": builder.request_id}
+        headers = {"X-Request-Id": builder.request_id, **self.gate.ratelimit_headers(tenant)}
         if self.settings.server_timing and first.timing:
             headers["Server-Timing"] = server_timing_header(first.timing)
         if req.stream:
             return self._stream(req, gen, first, ticket, builder, tenant, slot, gone, headers)
-        return await self._collect_json(gen, first, builder, gone, headers)
+        return await self._collect_json(gen, first, builder, tenant, gone, headers)
 
     async def _admit_and_dispatch(self, handle: DeploymentHandle, req: OpenAIRequest,
                                   builder: ResponseBuilder, tenant: Tenant, slot: Slot,
@@ -286,8 +289,8 @@ class RequestPipeline:
             media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
 
     async def _collect_json(self, gen: DeploymentResponseGenerator, first: GenerationChunk,
-                            builder: ResponseBuilder, gone: asyncio.Future[None],
-                            headers: dict[str, str]) -> Response:
+                            builder: ResponseBuilder, tenant: Tenant,
+                            gone: asyncio.Future[None], headers: dict[str, str]) -> Response:
         collect = asyncio.ensure_future(_collect(gen, first, builder))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -302,6 +305,9 @@ class RequestPipeline:
             logger.error("engine request failed mid-way", exc_info=collect.exception())
             raise OpenAIError(503, "the model failed while generating; retry shortly",
                               headers={"Retry-After": "1"})
+        # The token figures count this answer's own tokens (settled right after it is sent).
+        headers.update(self.gate.ratelimit_headers(
+            tenant, builder.prompt_tokens + builder.completion_tokens))
         return JSONResponse(builder.body(), headers=headers)
 
     @staticmethod

@@ -23,6 +23,7 @@ from serve_app.observability.metrics import (
     exported_name,
 )
 from serve_app.tenancy.fair_queue import BANDS
+from serve_app.tenancy.headers import ratelimit_headers
 from serve_app.tenancy.keys import KeyRing, Tenant
 from serve_app.tenancy.quota import QuotaBook
 
@@ -112,6 +113,11 @@ class TenantGate:
                 headers={"Retry-After": str(math.ceil(wait)),
                          "retry-after-ms": str(math.ceil(wait * 1000)),
                          "x-ratelimit-limit-type": decision.limit or ""})
+
+    def ratelimit_headers(self, tenant: Tenant, pending_tokens: int = 0) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for ``tenant`` now (none for a limit it does not
+        have); ``pending_tokens``: the tokens of the request being answered, not yet settled."""
+        return ratelimit_headers(*self.quotas.state(tenant.name, pending_tokens))
 
     def refund(self, tenant: Tenant) -> None:
         """Undo :meth:`admit`'s request charge (the request was refused with queue_full)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from serve_app.config import TenantSettings
+from serve_app.tenancy.headers import LimitState
 
 
 @dataclass(slots=True)
@@ -49,6 +50,13 @@ class TokenBucket:
         """Remove ``n`` tokens; usage charged after the fact may leave the level below zero."""
         self._refill(now)
         self.level -= n
+
+    def state(self, limit: int, now: float, pending: float = 0.0) -> LimitState:
+        """What a client sees of this bucket now, ``pending`` tokens already taken: ``limit``
+        (the configured figure), the level, and the time until the bucket is full again."""
+        self._refill(now)
+        level = self.level - pending
+        return LimitState(limit, level, max(0.0, (self.capacity - level) / self.rate))
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +139,16 @@ class QuotaBook:
         rpm = self._rpm.get(tenant)
         if rpm is not None:
             rpm.take(-1, self.clock())
+
+    def state(self, tenant: str, pending_tokens: int = 0
+              ) -> tuple[LimitState | None, LimitState | None]:
+        """``tenant``'s request and token buckets as the rate-limit headers report them (None:
+        no such limit); ``pending_tokens``: tokens of a request that ended but is not settled
+        yet. The figures are this router replica's buckets (its share of each limit)."""
+        now = self.clock()
+        rpm, tpm = self._rpm.get(tenant), self._tpm.get(tenant)
+        return (None if rpm is None else rpm.state(round(rpm.capacity), now),
+                None if tpm is None else tpm.state(round(tpm.capacity), now, pending_tokens))
 
     def settle(self, tenant: str, tokens: int) -> None:
         """Charge ``tokens`` (prompt + completion) a finished request of ``tenant`` used."""

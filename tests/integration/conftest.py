@@ -37,6 +37,8 @@ TENANTS: dict[str, dict] = {
     "rpm-limited": {"requests_per_minute": 3},
     "tpm-limited": {"tokens_per_minute": 120},
     "no-models": {"models": []},
+    # test_governance.py's: rate-limit headers.
+    "headers": {"requests_per_minute": 4, "tokens_per_minute": 100000},
 }
 
 

@@ -1,0 +1,56 @@
+"""OpenAI's rate-limit response headers, from a tenant's quota state (pure, no Ray).
+
+The ``openai`` client and most SDKs read six headers on every response:
+``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests``
+and the same three for ``-tokens``. Limits are whole numbers, remaining values are floored (a
+bucket at 4.7 requests admits 4 more), and a reset is the time until the bucket is full again,
+written as OpenAI writes it: Go's duration format (``"17ms"``, ``"1s"``, ``"6m0s"``, ``"1h0m0s"``).
+A dimension the tenant has no limit on gets no headers (there is nothing to count down).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LimitState:
+    """One bucket as a client should see it: its size, what is left now (may be negative for
+    tokens, charged after the fact), and seconds until it is full again."""
+
+    limit: int
+    remaining: float
+    reset_s: float
+
+
+def reset_duration(seconds: float) -> str:
+    """``seconds`` as OpenAI's reset headers write it (Go's ``time.Duration`` string, rounded
+    up to the millisecond below a second and to the second above): 0 -> ``"0s"``, 0.017 ->
+    ``"17ms"``, 1 -> ``"1s"``, 360 -> ``"6m0s"``, 3725 -> ``"1h2m5s"``."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{max(1, math.ceil(seconds * 1000))}ms"
+    total = math.ceil(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+def ratelimit_headers(requests: LimitState | None, tokens: LimitState | None
+                      ) -> dict[str, str]:
+    """The ``x-ratelimit-*`` headers for a tenant's request and token buckets (either None:
+    no limit on it, no headers for it)."""
+    out: dict[str, str] = {}
+    for suffix, state in (("requests", requests), ("tokens", tokens)):
+        if state is None:
+            continue
+        out[f"x-ratelimit-limit-{suffix}"] = str(state.limit)
+        out[f"x-ratelimit-remaining-{suffix}"] = str(max(0, math.floor(state.remaining)))
+        out[f"x-ratelimit-reset-{suffix}"] = reset_duration(state.reset_s)
+    return out
