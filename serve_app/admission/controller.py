@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection
 
 from serve_app.config import Priority
+from serve_app.tenancy.concurrency import ConcurrencyCaps
 from serve_app.tenancy.fair_queue import BANDS, QUEUE_POLICIES, FairQueue, engine_priority
 
 
@@ -62,7 +63,8 @@ class AdmissionController:
 
     def __init__(self, capacity: int, max_queued: int,
                  on_change: Callable[[AdmissionController], None] | None = None,
-                 policy: str = "fair", first_request_slots: int = 0) -> None:
+                 policy: str = "fair", first_request_slots: int = 0,
+                 caps: ConcurrencyCaps | None = None) -> None:
         """``on_change`` is called whenever the queue grows or shrinks (metrics); ``policy``
         names the queue order (:data:`~serve_app.tenancy.fair_queue.QUEUE_POLICIES`).
 
@@ -73,7 +75,11 @@ class AdmissionController:
         completion plus a poll (fair policy only). The bound counts these requests themselves,
         not the distance to capacity: capacity follows the engines, which drop a finished batch
         before the router has sent its responses, and a quiet request refused then waited a
-        whole generation (seen on an H200: 8.5 s for one of ten)."""
+        whole generation (seen on an H200: 8.5 s for one of ten).
+
+        ``caps``: per-tenant concurrency caps shared by the router replica's models
+        (:mod:`serve_app.tenancy.concurrency`); a tenant at its cap waits, and the queue passes
+        it over for the others."""
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
@@ -95,6 +101,9 @@ class AdmissionController:
         # Set while requests wait for a slot: the engine feed polls at once instead of on its
         # timer, so capacity catches up with a burst within one engine step.
         self.blocked = asyncio.Event()
+        self.caps = caps
+        if caps is not None:  # a capped tenant's request ending elsewhere may free our waiters
+            caps.subscribe(self._admit)
 
     def queued(self, band: Priority | None = None) -> int:
         return self.queue.waiting(band)
@@ -128,9 +137,10 @@ class AdmissionController:
         Raises :class:`QueueFull` when ``band`` already holds ``max_queued`` waiting requests,
         :class:`NoReplicaInTime` from :meth:`expire_waiting`. Cancellation while waiting (client
         gone) leaves nothing behind."""
-        if self.has_room() and not len(self.queue):
+        capped = self.caps is not None and not self.caps.may_start(tenant)
+        if self.has_room() and not len(self.queue) and not capped:
             return self._grant_unqueued(tenant, band, weight)
-        if (not self.tenant_in_flight.get(tenant)
+        if (not capped and not self.tenant_in_flight.get(tenant)
                 and len(self.overdraft) < self.first_request_slots
                 and not any(self.queue.waiting(b) for b in BANDS[:BANDS.index(band)])):
             self.overdraft.add(tenant)
@@ -141,6 +151,8 @@ class AdmissionController:
         self.queue.push(waiter, tenant, band)
         self.blocked.set()
         self._on_change(self)
+        if self.has_room():  # the queue held only capped tenants: this one may go at once
+            self._admit()
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -163,6 +175,8 @@ class AdmissionController:
         held = self.tenant_in_flight.get(tenant, 0)
         self.tenant_in_flight[tenant] = held + 1
         self.in_flight += weight
+        if self.caps is not None:
+            self.caps.take(tenant, weight)
         return engine_priority(band, held) if self._prioritize else 0
 
     def release(self, tenant: str, service: float, weight: int = 1,
@@ -185,6 +199,8 @@ class AdmissionController:
         else:
             self.tenant_in_flight.pop(tenant, None)
         self.queue.charge(tenant, service)
+        if self.caps is not None:
+            self.caps.give(tenant, weight)  # admits here and in the other models' queues
         self._admit()
 
     def set_capacity(self, capacity: int, live: Collection[str] | None = None) -> None:
@@ -217,7 +233,8 @@ class AdmissionController:
     def _admit(self) -> None:
         """Admit waiters in the queue's order while sequences are below the capacity."""
         admitted = False
-        while self.has_room() and (waiter := self.queue.pop()) is not None:
+        eligible = self.caps.may_start if self.caps is not None else None
+        while self.has_room() and (waiter := self.queue.pop(eligible)) is not None:
             admitted = True
             if waiter.future.done():  # cancelled before we got to it
                 continue

@@ -45,6 +45,12 @@ class TenantSettings(_Strict):
     models: list[str] | None = Field(
         None, description="Models the tenant may use (None = all). Others look nonexistent."
     )
+    max_concurrent_requests: int | None = Field(
+        None, ge=1, description="Sequences (a request counts its `n`) the tenant may have in "
+        "the engines at once, over all models (None = no cap). Requests beyond it wait in the "
+        "tenant's queue, not refused; other tenants pass them. With several router replicas "
+        "each holds its share (at least 1).",
+    )
 
     @field_validator("name")
     @classmethod

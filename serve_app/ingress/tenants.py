@@ -22,6 +22,7 @@ from serve_app.observability.metrics import (
     ROUTER_METRICS,
     exported_name,
 )
+from serve_app.tenancy.concurrency import ConcurrencyCaps
 from serve_app.tenancy.fair_queue import BANDS
 from serve_app.tenancy.headers import ratelimit_headers
 from serve_app.tenancy.keys import KeyRing, Tenant
@@ -42,6 +43,8 @@ class TenantGate:
     def __init__(self, config: AppConfig) -> None:
         self.keys = KeyRing(config.tenants)
         self.quotas = QuotaBook(config.tenants, share=1 / config.router.num_replicas)
+        # Shared by every model's admission controller of this replica (the cap spans models).
+        self.caps = ConcurrencyCaps(config.tenants, share=1 / config.router.num_replicas)
         self._requests = _metric(Counter, "tenant_requests", "counter",
                                  ("tenant", "model", "status"))
         self._tokens = _metric(Counter, "tenant_tokens", "counter", ("tenant", "model", "kind"))
@@ -63,6 +66,7 @@ class TenantGate:
         (requests already admitted finish as they were admitted)."""
         self.keys = KeyRing(tenants)
         self.quotas.update(tenants)
+        self.caps.update(tenants)
 
     def admitted(self, tenant: Tenant, model: str, waited_s: float) -> None:
         """A request left the router's queue (or passed straight through) after ``waited_s``."""

@@ -68,14 +68,17 @@ class FairQueue(Generic[T]):
         tenants[tenant].append(item)
         self._where[item] = (band, tenant)
 
-    def pop(self) -> T | None:
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> T | None:
         """The next item: highest band first, then the least-served tenant (ties: the tenant
-        that has waited longest in the band), then arrival order."""
+        that has waited longest in the band), then arrival order. With ``eligible``, only
+        tenants for which it holds are considered (a tenant at its concurrency cap must not
+        hold the head: the others pass it)."""
         for band in BANDS:
             tenants = self._waiting[band]
-            if not tenants:
+            candidates = tenants if eligible is None else [t for t in tenants if eligible(t)]
+            if not candidates:
                 continue
-            tenant = min(tenants, key=lambda t: self._service.get(t, 0.0))  # stable: FIFO ties
+            tenant = min(candidates, key=lambda t: self._service.get(t, 0.0))  # stable: FIFO
             self._clock[band] = max(self._clock[band], self._service.get(tenant, 0.0))
             q = tenants[tenant]
             item = q.popleft()
@@ -125,7 +128,7 @@ class FifoQueue(Generic[T]):
     vLLM's own queues do). Same interface as :class:`FairQueue`, for comparisons."""
 
     def __init__(self) -> None:
-        self._items: OrderedDict[T, Priority] = OrderedDict()
+        self._items: OrderedDict[T, tuple[Priority, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -136,13 +139,15 @@ class FifoQueue(Generic[T]):
     def waiting(self, band: Priority | None = None) -> int:
         if band is None:
             return len(self._items)
-        return sum(1 for b in self._items.values() if b == band)
+        return sum(1 for b, _ in self._items.values() if b == band)
 
     def push(self, item: T, tenant: str, band: Priority = "normal") -> None:
-        self._items[item] = band
+        self._items[item] = (band, tenant)
 
-    def pop(self) -> T | None:
-        return self._items.popitem(last=False)[0] if self._items else None
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> T | None:
+        if eligible is None:
+            return self._items.popitem(last=False)[0] if self._items else None
+        return self.pop_where(lambda i: eligible(self._items[i][1]))
 
     def pop_where(self, pred: Callable[[T], bool]) -> T | None:
         item = next((i for i in self._items if pred(i)), None)
