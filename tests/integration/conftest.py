@@ -37,8 +37,11 @@ TENANTS: dict[str, dict] = {
     "rpm-limited": {"requests_per_minute": 3},
     "tpm-limited": {"tokens_per_minute": 120},
     "no-models": {"models": []},
-    # test_governance.py's: rate-limit headers.
+    # test_governance.py's: rate-limit headers, a concurrency cap, usage records.
     "headers": {"requests_per_minute": 4, "tokens_per_minute": 100000},
+    "capped": {"max_concurrent_requests": 2},
+    "usage-a": {},
+    "usage-b": {"priority": "low"},
 }
 
 
@@ -56,7 +59,7 @@ def tiny_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(tiny_model_path):
+def stack(tiny_model_path, tmp_path_factory):
     """Base URL (``http://host:port``) of the running app, plus handles for white-box checks."""
     from ray import serve
 
@@ -80,7 +83,12 @@ def stack(tiny_model_path):
         "server_timing": True, "stream_stall_timeout_s": STALL_S,
         "admission": cfg.router.admission.model_copy(
             update={"headroom": HEADROOM, "poll_interval_s": 0.05})})
-    cfg = cfg.model_copy(update={"router": router, "tenants": tenants, "models": [model]})
+    # Usage records on (test_governance.py reads them).
+    usage_dir = tmp_path_factory.mktemp("usage")
+    governance = cfg.governance.model_copy(update={"usage": cfg.governance.usage.model_copy(
+        update={"dir": str(usage_dir)})})
+    cfg = cfg.model_copy(update={"router": router, "tenants": tenants, "models": [model],
+                                 "governance": governance})
     base, cfg = _start_on_free_ports(cfg, start_stack)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -98,6 +106,7 @@ def stack(tiny_model_path):
     server = serve.get_deployment_handle(llm_server_name(MODEL), app_name=APP_NAME)
     router_handle = serve.get_deployment_handle("Router", app_name=APP_NAME)
     yield {"base": base, "server": server, "router": router_handle, "model": MODEL,
+           "usage_dir": usage_dir,
            "path": tiny_model_path,
            "keys": keys, "key": keys[DEFAULT_TENANT], "config": cfg,
            "headers": {"Authorization": f"Bearer {keys[DEFAULT_TENANT]}"}}
