@@ -124,6 +124,47 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_usage(args: argparse.Namespace) -> int:
+    """Sum the usage files per tenant and model (serve_app/observability/usage.py)."""
+    import json
+
+    from serve_app.observability.usage import (format_table, parse_since, read_records,
+                                               summarize, usage_files)
+
+    paths = list(args.file or [])
+    if not paths:
+        try:
+            usage = load_config(Path(args.config)).governance.usage
+        except ConfigError as err:
+            print(err, file=sys.stderr)
+            return 2
+        if usage.dir is None:
+            print(f"{args.config} sets no governance.usage.dir; name the usage files or "
+                  "folder with --file", file=sys.stderr)
+            return 2
+        paths = [usage.dir]
+    try:
+        since = parse_since(args.since) if args.since else None
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    files = usage_files(paths)
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        print(f"no such usage file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    totals = summarize(read_records(files), since=since, tenant=args.tenant)
+    if args.json:
+        print(json.dumps([{"tenant": t, "model": m, "requests": u.requests, "errors": u.errors,
+                           "prompt_tokens": u.prompt_tokens,
+                           "completion_tokens": u.completion_tokens,
+                           "cached_tokens": u.cached_tokens, "total_tokens": u.total_tokens}
+                          for (t, m), u in sorted(totals.items())], indent=2))
+    else:
+        print(format_table(totals))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from serve_app.bench.runner import main as bench_main
 
@@ -231,6 +272,18 @@ def main(argv: list[str] | None = None) -> int:
                        "engine replica's node and requests")
     p.add_argument("--address", default="auto", help="Ray cluster address")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("usage", help="sum the usage records (one JSON line per request) per "
+                       "tenant and model")
+    p.add_argument("--file", action="append", default=None, help="a usage file or a folder "
+                   "of them (repeatable; default: the config's governance.usage.dir)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="deployment YAML whose "
+                   "governance.usage.dir to read when no --file is given")
+    p.add_argument("--since", default=None, help="only requests since then: 30m, 24h, 7d or "
+                   "an ISO date/time (UTC)")
+    p.add_argument("--tenant", default=None, help="only this tenant")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
+    p.set_defaults(func=cmd_usage)
 
     p = sub.add_parser("make-model", help="write a tiny model or a config-only full-size shape")
     p.add_argument("kind", choices=MODEL_KINDS)

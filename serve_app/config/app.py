@@ -15,6 +15,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve_app.config.base import LOOPBACK_HOSTS, _Strict
+from serve_app.config.governance import GovernanceSettings
 from serve_app.config.model import ModelSettings
 from serve_app.config.router import RouterSettings
 
@@ -76,6 +77,9 @@ class AppConfig(_Strict):
 
     models: list[ModelSettings] = Field(min_length=1, description="Models served by this app.")
     router: RouterSettings = Field(default_factory=RouterSettings)
+    governance: GovernanceSettings = Field(
+        default_factory=GovernanceSettings, description="Usage records (billing) and budgets' "
+        "storage: docs/operations.md#governing-tenants.")
     tenants: list[TenantSettings] = Field(
         default_factory=list,
         description="Tenants and their keys. Empty: the endpoint is open (no key needed, no "

@@ -80,6 +80,11 @@ def with_router_phases(replica: dict[str, float] | None, arrived: float, admitte
     return phases
 
 
+# Not a phase: the prompt tokens the engine's prefix cache held, which the first chunk's timing
+# dict carries to the router for the usage record (server_timing_header writes only PHASES).
+CACHED_TOKENS = "cached_tokens"
+
+
 def server_timing_header(phases: dict[str, float]) -> str:
     """``Server-Timing`` value for ``phases`` (ms), in :data:`PHASES` order."""
     return ", ".join(f"{name};dur={phases[name]:.1f}" for name in PHASES if name in phases)

@@ -23,7 +23,7 @@ from serve_app.engine.protocol import (
 )
 from serve_app.engine.placement import replica_placement_group
 from serve_app.engine.stall import EngineStalledError, StallWatch, kill_child_processes
-from serve_app.engine.timing import replica_phases
+from serve_app.engine.timing import CACHED_TOKENS, replica_phases
 
 logger = logging.getLogger(__name__)
 
@@ -285,9 +285,12 @@ class VLLMEngine:
                                         finished=out.finished)
                 if first:  # once per request: a few subtractions, no per-token cost
                     first = False
-                    self._note_prefill(n_prompt, getattr(out, "num_cached_tokens", None))
+                    cached = getattr(out, "num_cached_tokens", None)
+                    self._note_prefill(n_prompt, cached)
                     chunk.timing = replica_phases(entered, submitted, time.monotonic(),
                                                   getattr(out, "metrics", None))
+                    if cached is not None:  # for the usage record (serve_app/observability)
+                        chunk.timing[CACHED_TOKENS] = float(cached)
                 yield chunk
         except (ValueError, TypeError) as err:
             # vLLM's own request validation (VLLMValidationError is a ValueError).

@@ -27,6 +27,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -42,7 +43,7 @@ from serve_app.admission.controller import (
 from serve_app.admission.feed import EngineFeed
 from serve_app.config import RouterSettings
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
-from serve_app.engine.timing import server_timing_header, with_router_phases
+from serve_app.engine.timing import CACHED_TOKENS, server_timing_header, with_router_phases
 from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
 from serve_app.ingress.errors import OpenAIError
 from serve_app.ingress.http import disconnected, parse_request, read_json_body
@@ -52,12 +53,26 @@ from serve_app.ingress.responses import Kind, ResponseBuilder
 from serve_app.ingress.stall import StallWatch
 from serve_app.ingress.streaming import GuardedStreamingResponse
 from serve_app.ingress.tenants import TenantGate
+from serve_app.observability.usage import UsageLog
 from serve_app.tenancy.fair_queue import service_of
 from serve_app.tenancy.keys import Tenant
 
 logger = logging.getLogger(__name__)
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass(slots=True)
+class Progress:
+    """How far one request got, for its usage record: ``time.monotonic()`` readings of its
+    arrival, admission and first chunk, and the prompt tokens the engine's prefix cache held
+    (None where the engine does not say)."""
+
+    arrived: float
+    admitted: float | None = None
+    first_chunk: float | None = None
+    cached_tokens: int | None = None
+    stream: bool = False
 
 
 class RequestPipeline:
@@ -70,7 +85,8 @@ class RequestPipeline:
     def __init__(self, settings: RouterSettings, tenants: LiveTenants,
                  streams: dict[str, DeploymentHandle],
                  admission: dict[str, AdmissionController], feeds: dict[str, EngineFeed],
-                 channels: dict[str, ModelChannels], router_id: str) -> None:
+                 channels: dict[str, ModelChannels], router_id: str,
+                 usage: UsageLog | None = None) -> None:
         self.settings = settings
         self.tenants = tenants
         self.streams = streams
@@ -78,6 +94,7 @@ class RequestPipeline:
         self.feeds = feeds
         self.channels = channels
         self.router_id = router_id
+        self.usage = usage
         # Streams whose client stopped reading are cut (serve_app/ingress/stall.py).
         self.stall_watch = StallWatch(settings.stream_stall_timeout_s)
         self._started = False
@@ -107,7 +124,7 @@ class RequestPipeline:
                      id_prefix: str) -> Response:
         """Serve one generation request through every step; a non-streaming request finishes
         here, a stream when its response ends."""
-        arrived = time.monotonic()
+        progress = Progress(time.monotonic())
         self._start_feeds()
         tenant = await self.tenants.authenticate(http_request.headers.get("authorization"))
         label, status, builder, streaming = "", 500, None, False
@@ -117,7 +134,8 @@ class RequestPipeline:
             # Only served names become metric labels: client strings must not grow the series.
             label = req.model if req.model in self.streams else "unknown"
             builder = ResponseBuilder(kind, f"{id_prefix}{uuid.uuid4().hex}", req.model, req.n)
-            response = await self._serve(http_request, req, builder, tenant, slot, arrived)
+            progress.stream = req.stream
+            response = await self._serve(http_request, req, builder, tenant, slot, progress)
             status, streaming = response.status_code, isinstance(response, StreamingResponse)
             return response
         except OpenAIError as err:
@@ -131,7 +149,7 @@ class RequestPipeline:
             raise
         finally:
             if not streaming:
-                self._finish(tenant, label, status, builder, slot)
+                self._finish(tenant, label, status, builder, slot, progress)
 
     def _start_feeds(self) -> None:
         """On the first request: publish the queue gauges and start the engine feeds. Gauges
@@ -156,22 +174,46 @@ class RequestPipeline:
         return req
 
     def _finish(self, tenant: Tenant, label: str, status: int,
-                builder: ResponseBuilder | None, slot: Slot) -> None:
-        """Account an ended request to its tenant and free its admission place."""
+                builder: ResponseBuilder | None, slot: Slot, progress: Progress) -> None:
+        """Account an ended request to its tenant, free its admission place, and write its
+        usage record (the same token figures the tenant counters get)."""
         prompt, completion = (builder.prompt_tokens, builder.completion_tokens) \
             if builder is not None else (0, 0)
         self.gate.finish(tenant, label, status, prompt, completion)
         slot.release(service_of(prompt, completion))
+        if self.usage is not None and self.usage.enabled:
+            self._record_usage(tenant, label, status, builder, prompt, completion, progress)
+
+    def _record_usage(self, tenant: Tenant, model: str, status: int,
+                      builder: ResponseBuilder | None, prompt: int, completion: int,
+                      progress: Progress) -> None:
+        """One usage line: named figures only, never the key or any prompt or output text."""
+        assert self.usage is not None
+        now = time.monotonic()
+        reasons = sorted({c.finish_reason for c in builder.choices if c.finish_reason}) \
+            if builder is not None else []
+
+        def since_arrival(t: float | None) -> float | None:
+            return None if t is None else round(t - progress.arrived, 4)
+
+        self.usage.record(
+            request_id=builder.request_id if builder is not None else None,
+            tenant=tenant.name, model=model, priority=tenant.priority, prompt_tokens=prompt,
+            completion_tokens=completion, cached_tokens=progress.cached_tokens, status=status,
+            finish_reason=",".join(reasons) or None,
+            queue_wait_s=since_arrival(progress.admitted),
+            ttft_s=since_arrival(progress.first_chunk), duration_s=since_arrival(now),
+            stream=progress.stream, n=len(builder.choices) if builder is not None else None)
 
     async def _serve(self, http_request: Request, req: OpenAIRequest, builder: ResponseBuilder,
-                     tenant: Tenant, slot: Slot, arrived: float) -> Response:
+                     tenant: Tenant, slot: Slot, progress: Progress) -> Response:
         handle = self.model_handle(req.model, tenant)
         self.gate.admit(tenant)  # quota
         # From here until the response starts, watch the client: one that leaves while its
         # request is queued or in prefill frees its place and the engine at once.
         gone = asyncio.ensure_future(disconnected(http_request.receive))
         start = asyncio.ensure_future(self._admit_and_dispatch(handle, req, builder, tenant,
-                                                               slot, arrived))
+                                                               slot, progress))
         try:
             await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
@@ -188,17 +230,18 @@ class RequestPipeline:
             gone.cancel()
             raise
         if req.stream:  # a non-streaming response has no first token before its last one
-            self.gate.first_token(tenant, req.model, time.monotonic() - arrived)
+            self.gate.first_token(tenant, req.model, time.monotonic() - progress.arrived)
         headers = {"X-Request-Id": builder.request_id, **self.gate.ratelimit_headers(tenant)}
         if self.settings.server_timing and first.timing:
             headers["Server-Timing"] = server_timing_header(first.timing)
         if req.stream:
-            return self._stream(req, gen, first, ticket, builder, tenant, slot, gone, headers)
+            return self._stream(req, gen, first, ticket, builder, tenant, slot, gone, headers,
+                                progress)
         return await self._collect_json(gen, first, builder, tenant, gone, headers)
 
     async def _admit_and_dispatch(self, handle: DeploymentHandle, req: OpenAIRequest,
                                   builder: ResponseBuilder, tenant: Tenant, slot: Slot,
-                                  arrived: float
+                                  progress: Progress
                                   ) -> tuple[DeploymentResponseGenerator, GenerationChunk,
                                              ChannelTicket | None]:
         """Wait for an admission place, send the request to the model's deployment, await its
@@ -215,7 +258,8 @@ class RequestPipeline:
             raise OpenAIError(503, f"{req.model} has no replica running yet and none started "
                               f"within {self.settings.admission.cold_start_timeout_s:g} s; "
                               "retry shortly", headers={"Retry-After": "5"}) from None
-        admitted = time.monotonic()
+        arrived = progress.arrived
+        admitted = progress.admitted = time.monotonic()
         self.gate.admitted(tenant, req.model, admitted - arrived)
         generation = req.to_generation(builder.request_id)
         generation.cache_salt = tenant.cache_salt  # from the tenant, never from the client
@@ -237,6 +281,9 @@ class RequestPipeline:
             else:
                 first = await _first_chunk(gen)
             slot.assign(first.replica)  # from now on it counts only while its replica is live
+            progress.first_chunk = time.monotonic()
+            if first.timing and CACHED_TOKENS in first.timing:
+                progress.cached_tokens = int(first.timing[CACHED_TOKENS])
             if self.settings.server_timing:  # the router's phases beside the replica's
                 first.timing = with_router_phases(first.timing, arrived, admitted, sent,
                                                   time.monotonic())
@@ -266,7 +313,7 @@ class RequestPipeline:
     def _stream(self, req: OpenAIRequest, gen: DeploymentResponseGenerator,
                 first: GenerationChunk, ticket: ChannelTicket | None, builder: ResponseBuilder,
                 tenant: Tenant, slot: Slot, gone: asyncio.Future[None],
-                headers: dict[str, str]) -> StreamingResponse:
+                headers: dict[str, str], progress: Progress) -> StreamingResponse:
         ended = False
 
         def end(status: int) -> None:
@@ -280,7 +327,7 @@ class RequestPipeline:
                     gen.cancel()
                 if ticket is not None:
                     self.channels[req.model].release(ticket)
-                self._finish(tenant, req.model, status, builder, slot)
+                self._finish(tenant, req.model, status, builder, slot, progress)
 
         return GuardedStreamingResponse(
             self._sse(gen, first, ticket, self.channels.get(req.model), builder,

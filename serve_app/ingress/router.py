@@ -33,6 +33,7 @@ from serve_app.ingress.openapi import request_body
 from serve_app.ingress.pipeline import RequestPipeline
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.tenants import TenantGate
+from serve_app.observability.usage import UsageLog
 from serve_app.serve_private import on_data_plane, uses_grpc
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ class OpenAIRouter:
                      for m in config_.models} if settings.output_channels else {})
         self.pipeline = RequestPipeline(
             settings, self.tenants, {n: h.options(stream=True) for n, h in servers.items()},
-            admission, feeds, channels, router_id)
+            admission, feeds, channels, router_id,
+            UsageLog(config_.governance.usage, router_id))
         if gate.keys.open:
             logger.warning("no tenants configured: the endpoint is open (no API key needed)")
 

@@ -1,0 +1,45 @@
+"""The governance section: the per-request usage record (billing) and where it is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from serve_app.config.base import _Strict
+
+
+class UsageSettings(_Strict):
+    """One JSON line per finished request (serve_app/observability/usage.py), through Python
+    logging to a rotating file per router replica; `serve-app usage` sums them."""
+
+    dir: str | None = Field(
+        None, description="Folder of the usage files, on the node of each router replica "
+        "(each writes `usage-<replica>.jsonl`, rotated to `.1`, `.2`, ...). A relative path is "
+        "made absolute where the config is loaded (`serve-app deploy`'s working directory). "
+        "None: no file.")
+    stdout: bool = Field(
+        False, description="Also write each line to the router replica's stdout (a log "
+        "collector reading the replicas' output).")
+    max_bytes: int = Field(
+        100 * 1024 * 1024, ge=1024, description="Size at which a usage file is rotated.")
+    backups: int = Field(
+        20, ge=0, description="Rotated usage files kept per router replica (older ones are "
+        "deleted: move them off to keep them).")
+
+    @field_validator("dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        # The router replica's working directory is Ray's, not the deployer's: a relative folder
+        # would land somewhere under Ray's session directory.
+        return None if v is None else str(Path(v).expanduser().resolve())
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None or self.stdout
+
+
+class GovernanceSettings(_Strict):
+    """Billing and audit of tenants (issue 29)."""
+
+    usage: UsageSettings = Field(default_factory=UsageSettings)
