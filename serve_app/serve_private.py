@@ -17,12 +17,17 @@ moves or changes it (Ray is pinned; read those tests before bumping it).
   (`serve-app status`).
 * :data:`PowerOfTwoChoicesRequestRouter`: Serve's default replica choice, which the public
   ``ray.serve.request_router`` does not export; the LLMServer's request router reuses it.
+* :func:`probe_queue_lens`: ``RequestRouter._probe_queue_lens``, Serve's own bounded probe of
+  replicas' queue lengths (it also refreshes the router's queue-length cache). The
+  prefix-affinity policy compares the candidates' loads, and the public cache forgets a replica
+  that has not been chosen for 10 s: without a probe a hot prefix's replica looked alone.
 * :func:`broadcast_each`: ``DeploymentHandle.broadcast`` with each replica's answer bounded on
   its own (``DeploymentBroadcastResponse._fetch_replica_results_async`` and each
   ``ReplicaResult.get_async``): the public ``results_async`` bounds the whole broadcast, so one
   slow replica failed the poll of every replica.
-* :func:`kv_put` / :func:`kv_get`: Ray's internal key-value store (the GCS), where the live
-  tenant list and the last deployed config live (``ray.experimental.internal_kv``).
+* :func:`kv_put` / :func:`kv_get` / :func:`kv_list`: Ray's internal key-value store (the GCS),
+  where the live tenant list, the last deployed config, the audit log and the tenants' token
+  budget spend live (``ray.experimental.internal_kv``).
 """
 
 from __future__ import annotations
@@ -94,6 +99,13 @@ async def broadcast_each(handle: DeploymentHandle, method: str, *args: Any,
     return answers
 
 
+async def probe_queue_lens(router: Any, replicas: list[Any]) -> list[tuple[Any, int | None]]:
+    """(replica, queue length or None) for each of ``replicas``, asked now with Serve's
+    response deadline (0.1 s by default); None for a replica that did not answer in time.
+    ``router`` is the Serve ``RequestRouter`` the replicas belong to."""
+    return await router._probe_queue_lens(replicas, 0)
+
+
 def kv_put(key: str, value: bytes) -> None:
     """Store ``value`` under ``key`` in the cluster's key-value store (needs a connected Ray
     driver or worker); it outlives every replica."""
@@ -110,5 +122,13 @@ def kv_get(key: str) -> bytes | None:
     return raw or None
 
 
-__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_get", "kv_put", "on_data_plane",
-           "route_on_serve_loop", "uses_grpc", "with_version"]
+def kv_list(prefix: str) -> list[str]:
+    """The keys stored under ``prefix`` (each router replica's budget record of a tenant)."""
+    from ray.experimental.internal_kv import _internal_kv_list
+
+    return [k.decode() if isinstance(k, bytes) else str(k)
+            for k in _internal_kv_list(prefix.encode(), namespace=_KV_NAMESPACE)]
+
+
+__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_get", "kv_list", "kv_put", "on_data_plane",
+           "probe_queue_lens", "route_on_serve_loop", "uses_grpc", "with_version"]

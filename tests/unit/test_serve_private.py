@@ -85,10 +85,10 @@ def test_private_pow_2_router_still_has_choose_replicas():
 
 
 def test_private_internal_kv_functions_still_exist():
-    """``ray.experimental.internal_kv._internal_kv_put/_get`` with a namespace."""
+    """``ray.experimental.internal_kv._internal_kv_put/_get/_list`` with a namespace."""
     from ray.experimental import internal_kv
 
-    for name in ("_internal_kv_put", "_internal_kv_get"):
+    for name in ("_internal_kv_put", "_internal_kv_get", "_internal_kv_list"):
         assert "namespace" in inspect.signature(getattr(internal_kv, name)).parameters, name
 
 
@@ -101,3 +101,18 @@ def test_private_broadcast_response_fetch_and_replica_result_get_async_still_exi
     assert inspect.iscoroutinefunction(DeploymentBroadcastResponse._fetch_replica_results_async)
     assert inspect.iscoroutinefunction(ReplicaResult.get_async)
     assert "method_name" in inspect.signature(serve.handle.DeploymentHandle.broadcast).parameters
+
+
+def test_private_request_router_probe_queue_lens_still_exists():
+    """``RequestRouter._probe_queue_lens(replicas, backoff_index)``, a coroutine answering
+    (replica, queue length or None) pairs (the prefix-affinity policy's load probe)."""
+    import asyncio
+
+    from ray.serve.request_router import RequestRouter
+
+    probe = RequestRouter._probe_queue_lens
+    assert inspect.iscoroutinefunction(probe)
+    assert list(inspect.signature(probe).parameters)[:3] == ["self", "replicas", "backoff_index"]
+    assert asyncio.run(serve_private.probe_queue_lens(
+        SimpleNamespace(_probe_queue_lens=RequestRouter._probe_queue_lens.__get__(
+            SimpleNamespace())), [])) == []
