@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The one-queue scenario on one GPU, both arms in one command: a tenant floods the endpoint with
+# The one-queue scenario on one GPU, every arm in one command: a tenant floods the endpoint with
 # FLOOD_C concurrent non-streaming requests (1024 in / 128 out) while a quiet tenant sends one
 # streamed request at a time (128 in / 16 out). Arms: bare `vllm serve` (same engine arguments,
-# FCFS order since it gets no priorities) and the stack with two tenants. Results under $OUT.
+# FCFS order since it gets no priorities), the stack with two tenants, and stack2 (the same with
+# two router replicas, HAProxy spreading the clients). Each arm's server starts once and runs
+# every load of LOADS in turn. Results under $OUT.
 # usage: bench/gpu_flood.sh [CONFIG] [DURATION_S]     (env: PYTHON, FLOOD_C, ARMS="bare stack",
+#   LOADS="FLOOD_IN/FLOOD_OUT/QUIET_IN/QUIET_OUT ..." (default "1024/128/128/16"),
 #   ARM_BENCH="serve-app bench arguments" to also run the same benchmark against each arm's server
 #   after its flood (the stack's with the flood tenant's key): the throughput comparison of
 #   gpu_compare.sh without a second engine start per arm)
@@ -40,6 +43,16 @@ cfg["tenants"] = [{"name": "flood", "api_key_sha256": [key_digest(flood)]},
                   {"name": "quiet", "api_key_sha256": [key_digest(quiet)]}]
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
+$PY - "$DIR/stack-config.yaml" > "$DIR/stack2-config.yaml" <<'PY'
+import sys
+from pathlib import Path
+
+import yaml
+
+cfg = yaml.safe_load(Path(sys.argv[1]).read_text())
+cfg["router"]["num_replicas"] = 2
+print(yaml.safe_dump(cfg, sort_keys=False))
+PY
 
 ray_metrics_urls() {  # the metrics agents Ray lists for Prometheus
   $PY -c "import json; print(' '.join('--metrics-url http://%s/metrics' % t for g in json.load(open('/tmp/ray/prom_metrics_service_discovery.json')) for t in g['targets']))" 2>/dev/null
@@ -50,10 +63,17 @@ arm_bench() {  # url arm [tenant-args]
     --label "$2" --out "$DIR/$2-bench" > "$DIR/$2-bench.log" 2>&1
   grep -A6 "^## Runs" "$DIR/$2-bench/summary.md" || tail -n 20 "$DIR/$2-bench.log"
 }
-flood() {  # url arm key-args metrics-args
-  $PY -m serve_app.cli flood --base-url "$1" --model "$MODEL" --flood-concurrency "$FLOOD_C" \
-    --duration-s "$DUR" --settle-s "${SETTLE_S:-10}" --token-range "${TOKEN_RANGE:-1000-20000}" --label "$2" --out "$DIR/$2.json" $3 $4 \
-    2>&1 | tail -n 3 | tee "$DIR/$2.txt"
+flood() {  # url arm key-args metrics-args: one flood per load of LOADS, labelled arm-load
+  local load fin fout qin qout label
+  for load in ${LOADS:-1024/128/128/16}; do
+    IFS=/ read -r fin fout qin qout <<< "$load"
+    label="$2-$fin-$fout-$qin-$qout"
+    echo "-- $label"
+    $PY -m serve_app.cli flood --base-url "$1" --model "$MODEL" --flood-concurrency "$FLOOD_C" \
+      --flood-in "$fin" --flood-out "$fout" --quiet-in "$qin" --quiet-out "$qout" \
+      --duration-s "$DUR" --settle-s "${SETTLE_S:-10}" --token-range "${TOKEN_RANGE:-1000-20000}" \
+      --label "$label" --out "$DIR/$label.json" $3 $4 2>&1 | tail -n 3 | tee "$DIR/$label.txt"
+  done
 }
 
 for arm in ${ARMS:-bare stack}; do
@@ -67,16 +87,17 @@ setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
     wait_ready http://127.0.0.1:8100 $PID 420 none && \
       flood http://127.0.0.1:8100 bare "" "--metrics-url http://127.0.0.1:8100/metrics" && \
       arm_bench http://127.0.0.1:8100 bare
-  else
-    echo "== stack: serve-app run --config $DIR/stack-config.yaml"
+  else  # stack or stack2
+    echo "== $arm: serve-app run --config $DIR/$arm-config.yaml"
     require_free_port 8000 || exit 1
-setsid $PY -m serve_app.cli run --config "$DIR/stack-config.yaml" --port 8000 \
-      > "$DIR/stack-server.log" 2>&1 &
+setsid $PY -m serve_app.cli run --config "$DIR/$arm-config.yaml" --port 8000 \
+      > "$DIR/$arm-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \
-      flood http://127.0.0.1:8000 stack "--flood-key $FLOOD_KEY --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" && \
-      arm_bench http://127.0.0.1:8000 stack "--tenant flood:$FLOOD_KEY:1"
+      flood http://127.0.0.1:8000 "$arm" "--flood-key $FLOOD_KEY --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" && \
+      arm_bench http://127.0.0.1:8000 "$arm" "--tenant flood:$FLOOD_KEY:1"
   fi
   stop $PID
   echo "$arm arm took $(( $(date +%s) - T0 ))s"
 done
+cat "$DIR"/*-*-*.txt > "$DIR/summary.txt" 2>/dev/null; cat "$DIR/summary.txt"
