@@ -86,6 +86,16 @@ METRICS: dict[str, Metric] = {
                "requests in the model's engines (what autoscaling sizes replicas for)."),
         Metric("ray_serve_app_autoscaling_target_per_replica", "gauge", "router",
                "Demand one replica of a model is sized for (autoscaling.target_per_replica)."),
+        Metric("ray_serve_app_routing_decisions_total", "counter", "router",
+               "Engine replica choices of the routers' requests, by model and reason: affinity "
+               "(the replica its tenant and prefix hash to), load_fallback (that replica was "
+               "busier than the least-loaded by more than routing.imbalance_margin), cold "
+               "(prompt under one key block: spread by power of two), power_of_two (the "
+               "power_of_two policy)."),
+        Metric("ray_vllm_prefix_cache_queries_total", "counter", "vllm",
+               "Prompt tokens the engine looked up in its prefix cache."),
+        Metric("ray_vllm_prefix_cache_hits_total", "counter", "vllm",
+               "Prompt tokens the engine found in its prefix cache (not computed again)."),
     ]
 }
 
@@ -101,6 +111,7 @@ ROUTER_METRICS = {
     "live_replicas": "serve_app_model_live_replicas",
     "demand": "serve_app_model_demand",
     "target_per_replica": "serve_app_autoscaling_target_per_replica",
+    "routing_decisions": "serve_app_routing_decisions",
 }
 
 # Histogram buckets (seconds) of the router's latency metrics.

@@ -1,16 +1,20 @@
-"""The LLMServer deployment's Serve request router: Serve's own power-of-two choice, except for
-calls that name the replica they must reach.
+"""The LLMServer deployment's Serve request router: calls that name the replica they must reach
+go there; every request goes where the model's routing policy says.
 
 A router replica opens its output channel (:mod:`serve_app.engine.channel`) on one specific
 engine replica, the one serving its requests; Serve's handles have no call for that, but they
 ask the deployment's request router where each call goes. A call with a ``target_replica``
 keyword goes to that replica only, or waits while it is not a candidate (not yet running, or
-stopping: the caller bounds the wait). Every other call (every request) is routed as Serve
-routes it by default.
+stopping: the caller bounds the wait). Every other call (every request) is routed by the
+model's policy (:mod:`serve_app.routing.policy`, ``routing:`` of the model's config, passed
+here by Serve as ``request_router_kwargs``): ``power_of_two`` is Serve's own choice;
+``prefix_affinity`` sends a (tenant, prefix) key to the replica rendezvous hashing gives it,
+bounded by the candidates' queue lengths.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray.serve.request_router import (
@@ -21,10 +25,14 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from serve_app.serve_private import PowerOfTwoChoicesRequestRouter
+from serve_app.engine.protocol import GenerationRequest
+from serve_app.routing.policy import Candidate, Reason, RoutingPolicy, build_policy
+from serve_app.serve_private import PowerOfTwoChoicesRequestRouter, probe_queue_lens
+
+logger = logging.getLogger(__name__)
 
 TARGET_KWARG = "target_replica"
-ROUTER_CLASS = "serve_app.routing.pinned:PinnedOrPowerOfTwoRouter"
+ROUTER_CLASS = "serve_app.routing.pinned:PinnedOrPolicyRouter"
 
 
 def pinned_target(pending_request: PendingRequest | None) -> str | None:
@@ -35,12 +43,58 @@ def pinned_target(pending_request: PendingRequest | None) -> str | None:
     return target if isinstance(target, str) else None
 
 
-class PinnedOrPowerOfTwoRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    """Honours ``target_replica``; otherwise Serve's power-of-two choice.
+def routed_request(pending_request: PendingRequest | None) -> GenerationRequest | None:
+    """The :class:`GenerationRequest` a ``generate`` call carries (its first argument), if any."""
+    if pending_request is None or not pending_request.args:
+        return None
+    first = pending_request.args[0]
+    return first if isinstance(first, GenerationRequest) else None
+
+
+class DecisionCounter:
+    """The routing-decision metric (``ray_serve_app_routing_decisions_total``, by model and
+    reason), registered on first use: a request router is built in every process that holds a
+    handle, most of which route nothing."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._counter: Any = None
+
+    def record(self, reason: Reason) -> None:
+        if self._counter is None:
+            from ray.serve.metrics import Counter
+
+            from serve_app.observability.metrics import METRICS, ROUTER_METRICS, exported_name
+
+            name = ROUTER_METRICS["routing_decisions"]
+            self._counter = Counter(name, description=METRICS[exported_name(name, "counter")].help,
+                                    tag_keys=("model", "reason"))
+        self._counter.inc(1, tags={"model": self.model, "reason": reason})
+
+
+class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Honours ``target_replica``; otherwise the configured routing policy.
 
     Serve's default router also has the FIFO mixin, which hands a chosen replica to the oldest
     waiting call, not to the call it was chosen for: a pinned call could then be sent to the
-    replica chosen for another. Without it each call gets the replica chosen for it."""
+    replica chosen for another, and a request to the replica chosen for another's prefix.
+    Without it each call gets the replica chosen for it."""
+
+    policy: RoutingPolicy
+    decisions: Any
+
+    def initialize_state(self, policy: str = "power_of_two", model: str = "",
+                         **knobs: Any) -> None:
+        """Called by Serve with the deployment's ``request_router_kwargs``: the model's
+        ``routing:`` settings (:meth:`RoutingSettings.router_kwargs`) and its name."""
+        self.policy = build_policy(policy, **knobs)
+        self.decisions = DecisionCounter(model)
+
+    def _policy(self) -> RoutingPolicy:
+        # Serve calls initialize_state right after construction; tests may build bare routers.
+        if not hasattr(self, "policy"):
+            self.initialize_state()
+        return self.policy
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -49,5 +103,40 @@ class PinnedOrPowerOfTwoRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if target is not None:
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             return [pinned] if pinned else []
-        return await PowerOfTwoChoicesRequestRouter.choose_replicas(
-            self, candidate_replicas, pending_request)  # type: ignore[arg-type]
+        policy = self._policy()
+        key = policy.key(routed_request(pending_request))
+        loads: dict[str, int | None] = {}
+        if key is not None and policy.needs_load():
+            loads = await self._loads(candidate_replicas)
+        choice = policy.choose(key, [Candidate(r.replica_id.unique_id,
+                                               loads.get(r.replica_id.unique_id))
+                                     for r in candidate_replicas])
+        try:
+            self.decisions.record(choice.reason)
+        except Exception:  # a metric must never fail a request
+            logger.debug("routing decision metric failed", exc_info=True)
+        if not choice.ranked:
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(
+                self, candidate_replicas, pending_request)  # type: ignore[arg-type]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if pending_request is not None:
+            # Every candidate is in the ranks: when all refuse, Serve must back off before
+            # asking again (without it, it asks again at once, in a busy loop).
+            pending_request.routing_context.should_backoff = True
+        return [[by_id[rid]] for rid in choice.ranked if rid in by_id]
+
+    async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
+        """Each replica's queue length: from Serve's cache, else probed now (Serve's probe,
+        bounded by its response deadline); None for a replica that did not answer."""
+        cache = self.replica_queue_len_cache
+        loads: dict[str, int | None] = {}
+        unknown = []
+        for r in replicas:
+            n = cache.get(r.replica_id)
+            if n is None:
+                unknown.append(r)
+            loads[r.replica_id.unique_id] = n
+        if unknown:
+            for r, n in await probe_queue_lens(self, unknown):
+                loads[r.replica_id.unique_id] = n
+        return loads

@@ -1,21 +1,63 @@
-"""The LLMServer's request router: calls that name a replica go there and nowhere else."""
+"""The LLMServer's request router: calls that name a replica go there and nowhere else; other
+calls go where the model's routing policy says."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
-from serve_app.routing.pinned import TARGET_KWARG, PinnedOrPowerOfTwoRouter, pinned_target
+from serve_app.engine.protocol import GenerationRequest, SamplingOptions
+from serve_app.routing import pinned
+from serve_app.routing.pinned import TARGET_KWARG, PinnedOrPolicyRouter, pinned_target
+from serve_app.routing.policy import build_policy
+from serve_app.routing.prefix_affinity import rendezvous_order
+
+
+class _Decisions:
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def record(self, reason: str) -> None:
+        self.reasons.append(reason)
 
 
 def _replica(uid: str) -> SimpleNamespace:
     return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid))
 
 
+class _Cache:
+    def __init__(self, loads: dict[str, int]) -> None:
+        self.loads = loads
+
+    def get(self, replica_id: SimpleNamespace) -> int | None:
+        return self.loads.get(replica_id.unique_id)
+
+
+def _affinity_router(loads: dict[str, int], margin: int = 4) -> PinnedOrPolicyRouter:
+    router = PinnedOrPolicyRouter.__new__(PinnedOrPolicyRouter)
+    router.initialize_state(policy="prefix_affinity", model="m", block_tokens=4,
+                            prefix_blocks=2, chars_per_token=2, imbalance_margin=margin)
+    router.decisions = _Decisions()
+    router._replica_queue_len_cache = _Cache(loads)  # what Serve's property reads
+    return router
+
+
+def _pending(prompt: str, salt: str = "tenant-a", **kwargs: object) -> SimpleNamespace:
+    request = GenerationRequest("r", SamplingOptions(), prompt=prompt, cache_salt=salt)
+    return SimpleNamespace(args=[request], kwargs=kwargs,
+                           routing_context=SimpleNamespace(should_backoff=False))
+
+
+PROMPT = "a tenant's long shared system prompt, then a question"
+
+
+
 def _choose(candidates: list, kwargs: dict) -> list:
-    # The pinned path reads nothing of the router's state.
-    return asyncio.run(PinnedOrPowerOfTwoRouter.choose_replicas(
-        object(), candidates, SimpleNamespace(kwargs=kwargs)))  # type: ignore[arg-type]
+    # The pinned path reads nothing of the router's state; power_of_two only its policy.
+    router = PinnedOrPolicyRouter.__new__(PinnedOrPolicyRouter)
+    router.policy = build_policy("power_of_two")
+    router.decisions = _Decisions()
+    return asyncio.run(router.choose_replicas(candidates, SimpleNamespace(args=[], kwargs=kwargs)))
 
 
 def test_a_pinned_call_gets_its_replica_only():
@@ -61,4 +103,70 @@ def test_the_router_has_no_fifo_mixin():
     a pinned call to the replica chosen for another."""
     from ray.serve.request_router import FIFOMixin
 
-    assert not issubclass(PinnedOrPowerOfTwoRouter, FIFOMixin)
+    assert not issubclass(PinnedOrPolicyRouter, FIFOMixin)
+
+
+def test_pinning_wins_over_the_affinity_policy():
+    """An output channel's call names its replica: the policy must not move it, whatever the
+    call's arguments hash to."""
+    router = _affinity_router({"a": 0, "b": 0})
+    a, b = _replica("a"), _replica("b")
+    key = router.policy.key(_pending(PROMPT).args[0])
+    other = rendezvous_order(key, ["a", "b"])[1]  # type: ignore[arg-type]
+    chosen = asyncio.run(router.choose_replicas([a, b], _pending(PROMPT, target_replica=other)))
+    assert [[r.replica_id.unique_id for r in rank] for rank in chosen] == [[other]]
+    assert router.decisions.reasons == []  # a channel is no routing decision
+
+
+def test_affinity_ranks_every_candidate_and_backs_off():
+    router = _affinity_router({"a": 0, "b": 0, "c": 0})
+    replicas = [_replica(i) for i in "abc"]
+    pending = _pending(PROMPT)
+    chosen = asyncio.run(router.choose_replicas(replicas, pending))
+    key = router.policy.key(pending.args[0])
+    assert [rank[0].replica_id.unique_id for rank in chosen] == rendezvous_order(
+        key, ["a", "b", "c"])  # type: ignore[arg-type]
+    assert all(len(rank) == 1 for rank in chosen)
+    assert pending.routing_context.should_backoff  # else Serve re-asks in a busy loop
+    assert router.decisions.reasons == ["affinity"]
+
+
+def test_the_router_falls_back_on_the_load_it_reads(monkeypatch):
+    key_of = _affinity_router({}).policy.key(_pending(PROMPT).args[0])
+    best, other = rendezvous_order(key_of, ["a", "b"])  # type: ignore[arg-type]
+    router = _affinity_router({best: 9, other: 0}, margin=4)
+    chosen = asyncio.run(router.choose_replicas([_replica("a"), _replica("b")], _pending(PROMPT)))
+    assert chosen[0][0].replica_id.unique_id == other
+    assert router.decisions.reasons == ["load_fallback"]
+
+
+def test_loads_the_cache_lacks_are_probed(monkeypatch):
+    """Serve's cache forgets a replica not chosen for a while: a hot prefix's replica must not
+    look alone (and so never overloaded) because the other's entry expired."""
+    key_of = _affinity_router({}).policy.key(_pending(PROMPT).args[0])
+    best, other = rendezvous_order(key_of, ["a", "b"])  # type: ignore[arg-type]
+    probed: list[str] = []
+
+    async def probe(router, replicas):
+        probed.extend(r.replica_id.unique_id for r in replicas)
+        return [(r, 0) for r in replicas]
+
+    monkeypatch.setattr(pinned, "probe_queue_lens", probe)
+    router = _affinity_router({best: 9}, margin=4)  # `other` is not in the cache
+    chosen = asyncio.run(router.choose_replicas([_replica("a"), _replica("b")], _pending(PROMPT)))
+    assert probed == [other]
+    assert chosen[0][0].replica_id.unique_id == other
+
+
+def test_a_cold_request_goes_through_serves_power_of_two(monkeypatch):
+    calls = []
+
+    async def pow2(self, candidates, pending_request=None):
+        calls.append(len(candidates))
+        return [candidates[:1]]
+
+    monkeypatch.setattr(pinned.PowerOfTwoChoicesRequestRouter, "choose_replicas", pow2)
+    router = _affinity_router({"a": 0, "b": 0})
+    chosen = asyncio.run(router.choose_replicas([_replica("a"), _replica("b")], _pending("hi")))
+    assert calls == [2] and len(chosen) == 1
+    assert router.decisions.reasons == ["cold"]
