@@ -333,6 +333,7 @@ def status(address: str | None = "auto") -> dict[str, Any]:
     from ray import serve
 
     from serve_app.app import ROUTER_DEPLOYMENT
+    from serve_app.ingress.budgets import budget_report
     from serve_app.ingress.live_config import read_tenants
 
     if not ray.is_initialized():
@@ -349,6 +350,8 @@ def status(address: str | None = "auto") -> dict[str, Any]:
             for name, d in (app.deployments.items() if app else [])},
         "tenants_version": live[0] if live else None,
         "tenants": [t.name for t in live[1]] if live else [],
+        # Per tenant with a token budget: spent and left in the current window, its reset.
+        "budgets": budget_report(APP_NAME, live[1]) if live else {},
         "models": _router_view(app is not None and ROUTER_DEPLOYMENT in app.deployments),
     }
 

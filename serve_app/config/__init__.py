@@ -13,6 +13,7 @@ from serve_app.config.app import (
     ConfigError,
     Priority,
     TenantSettings,
+    TokenBudget,
     load_config,
     parse_config,
     tenants_from_file,
@@ -34,4 +35,4 @@ __all__ = ["APP_NAME", "DEFAULT_CONFIG", "DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_MOD
            "DEFAULT_STALL_TIMEOUT_S", "LOOPBACK_HOSTS", "TENANTS_FILE_ENV",
            "VLLM_DEFAULT_MAX_NUM_SEQS", "AdmissionSettings", "AppConfig", "AutoscalingSettings",
            "ConfigError", "GovernanceSettings", "ModelSettings", "Priority", "RouterSettings", "TenantSettings",
-           "UsageSettings", "load_config", "parse_config", "tenants_from_file"]
+           "TokenBudget", "UsageSettings", "load_config", "parse_config", "tenants_from_file"]

@@ -23,6 +23,15 @@ from serve_app.config.router import RouterSettings
 Priority = Literal["high", "normal", "low"]
 
 
+class TokenBudget(_Strict):
+    """Tokens a tenant may use per calendar window (UTC), charged with prompt + completion
+    tokens as requests end; spent, it gets 429 `insufficient_quota` until the window ends."""
+
+    tokens: int = Field(ge=1, description="Prompt + completion tokens per period.")
+    period: Literal["day", "month"] = Field(
+        description="`day` (resets at midnight UTC) or `month` (the first, UTC).")
+
+
 class TenantSettings(_Strict):
     """One tenant: the API keys that act for it and the limits it is held to.
 
@@ -45,6 +54,11 @@ class TenantSettings(_Strict):
     )
     models: list[str] | None = Field(
         None, description="Models the tenant may use (None = all). Others look nonexistent."
+    )
+    token_budget: TokenBudget | None = Field(
+        None, description="A budget over a day or a month, e.g. {tokens: 1000000, period: "
+        "month}. Its spend is kept in the cluster's key-value store, so a restart or a "
+        "redeploy does not refill it (None = no budget).",
     )
     max_concurrent_requests: int | None = Field(
         None, ge=1, description="Sequences (a request counts its `n`) the tenant may have in "

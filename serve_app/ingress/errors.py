@@ -34,25 +34,30 @@ class OpenAIError(Exception):
     """An error answered to the client in the OpenAI shape."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 error_type: str | None = None) -> None:
+        """``error_type`` overrides the type the status code implies (a spent budget is a 429
+        of type ``insufficient_quota``, as OpenAI answers it)."""
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers
+        self.error_type = error_type
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status_code, self.message, self.param, self.code)
+        return error_body(self.status_code, self.message, self.param, self.code,
+                          self.error_type)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def error_body(status_code: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    err_type = _TYPES.get(status_code, "server_error" if status_code >= 500 else
-                          "invalid_request_error")
+               code: str | None = None, error_type: str | None = None) -> dict[str, Any]:
+    err_type = error_type or _TYPES.get(status_code, "server_error" if status_code >= 500 else
+                                        "invalid_request_error")
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 

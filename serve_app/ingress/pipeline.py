@@ -44,6 +44,7 @@ from serve_app.admission.feed import EngineFeed
 from serve_app.config import RouterSettings
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
 from serve_app.engine.timing import CACHED_TOKENS, server_timing_header, with_router_phases
+from serve_app.ingress.budgets import BudgetSync
 from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
 from serve_app.ingress.errors import OpenAIError
 from serve_app.ingress.http import disconnected, parse_request, read_json_body
@@ -86,7 +87,7 @@ class RequestPipeline:
                  streams: dict[str, DeploymentHandle],
                  admission: dict[str, AdmissionController], feeds: dict[str, EngineFeed],
                  channels: dict[str, ModelChannels], router_id: str,
-                 usage: UsageLog | None = None) -> None:
+                 usage: UsageLog | None = None, budgets: BudgetSync | None = None) -> None:
         self.settings = settings
         self.tenants = tenants
         self.streams = streams
@@ -95,6 +96,7 @@ class RequestPipeline:
         self.channels = channels
         self.router_id = router_id
         self.usage = usage
+        self.budgets = budgets
         # Streams whose client stopped reading are cut (serve_app/ingress/stall.py).
         self.stall_watch = StallWatch(settings.stream_stall_timeout_s)
         self._started = False
@@ -208,6 +210,8 @@ class RequestPipeline:
     async def _serve(self, http_request: Request, req: OpenAIRequest, builder: ResponseBuilder,
                      tenant: Tenant, slot: Slot, progress: Progress) -> Response:
         handle = self.model_handle(req.model, tenant)
+        if self.budgets is not None:  # a replica that just started reads the spend first
+            await self.budgets.ready()
         self.gate.admit(tenant)  # quota
         # From here until the response starts, watch the client: one that leaves while its
         # request is queued or in prefill frees its place and the engine at once.

@@ -24,6 +24,7 @@ from serve_app.admission import COLD_START_PROBE, capacity_policy
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.feed import EngineFeed
 from serve_app.config import APP_NAME, AppConfig
+from serve_app.ingress.budgets import BudgetSync
 from serve_app.ingress.channels import ModelChannels
 from serve_app.ingress.errors import install_error_handlers
 from serve_app.ingress.live_config import LiveTenants
@@ -90,7 +91,8 @@ class OpenAIRouter:
         self.pipeline = RequestPipeline(
             settings, self.tenants, {n: h.options(stream=True) for n, h in servers.items()},
             admission, feeds, channels, router_id,
-            UsageLog(config_.governance.usage, router_id))
+            UsageLog(config_.governance.usage, router_id),
+            BudgetSync(gate.budgets, app_name, router_id))
         if gate.keys.open:
             logger.warning("no tenants configured: the endpoint is open (no API key needed)")
 

@@ -8,6 +8,7 @@ Ray metrics.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Sequence
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -22,6 +23,7 @@ from serve_app.observability.metrics import (
     ROUTER_METRICS,
     exported_name,
 )
+from serve_app.tenancy.budget import BudgetBook
 from serve_app.tenancy.concurrency import ConcurrencyCaps
 from serve_app.tenancy.fair_queue import BANDS
 from serve_app.tenancy.headers import ratelimit_headers
@@ -45,6 +47,8 @@ class TenantGate:
         self.quotas = QuotaBook(config.tenants, share=1 / config.router.num_replicas)
         # Shared by every model's admission controller of this replica (the cap spans models).
         self.caps = ConcurrencyCaps(config.tenants, share=1 / config.router.num_replicas)
+        # Budgets are whole per tenant (not shared out): every replica sums all the records.
+        self.budgets = BudgetBook(config.tenants)
         self._requests = _metric(Counter, "tenant_requests", "counter",
                                  ("tenant", "model", "status"))
         self._tokens = _metric(Counter, "tenant_tokens", "counter", ("tenant", "model", "kind"))
@@ -67,6 +71,7 @@ class TenantGate:
         self.keys = KeyRing(tenants)
         self.quotas.update(tenants)
         self.caps.update(tenants)
+        self.budgets.update(tenants)
 
     def admitted(self, tenant: Tenant, model: str, waited_s: float) -> None:
         """A request left the router's queue (or passed straight through) after ``waited_s``."""
@@ -108,7 +113,15 @@ class TenantGate:
         return tenant
 
     def admit(self, tenant: Tenant) -> None:
-        """Raise 429 with ``Retry-After`` when the tenant is over a quota; else admit."""
+        """Raise 429 with ``Retry-After`` when the tenant is over a quota (``insufficient_quota``
+        once its token budget is spent, ``rate_limit_exceeded`` over a rate); else admit."""
+        spent = self.budgets.check(tenant.name)
+        if spent is not None:
+            wait = spent.retry_after_s(time.time())
+            raise OpenAIError(429, spent.message, code="insufficient_quota",
+                              error_type="insufficient_quota",
+                              headers={"Retry-After": str(max(1, math.ceil(wait))),
+                                       "x-ratelimit-limit-type": "token_budget"})
         decision = self.quotas.admit(tenant.name)
         if not decision.admitted:
             wait = max(decision.retry_after_s, 0.001)
@@ -138,3 +151,4 @@ class TenantGate:
             self._tokens.inc(completion_tokens,
                              tags={"tenant": tenant.name, "model": model, "kind": "completion"})
         self.quotas.settle(tenant.name, prompt_tokens + completion_tokens)
+        self.budgets.charge(tenant.name, prompt_tokens + completion_tokens)

@@ -1,0 +1,168 @@
+"""Token budgets over a calendar window: ``token_budget: {tokens: N, period: day|month}``.
+
+A tenant with a budget is charged prompt + completion tokens as each request ends (the same
+figures as its TPM and its usage record). While its window's spend is below ``tokens`` its
+requests are admitted; once spent, every request gets 429 ``insufficient_quota`` (OpenAI's code
+when credit runs out) until the window ends: midnight UTC for ``day``, the first of the month
+(UTC) for ``month``. Like TPM, a tenant can overshoot by what it has in flight when it crosses
+the line: nothing is estimated before a request runs.
+
+The spend must outlive router replicas and redeploys, and several router replicas charge the
+same tenant. So each router replica keeps its own spend per (tenant, window) as one record,
+written under its own key; a tenant's spend is the sum of every record of the window (records of
+replicas that are gone still count). :class:`BudgetBook` is the pure bookkeeping;
+:mod:`serve_app.ingress.budgets` moves records to and from Ray's key-value store.
+
+With N router replicas, a tenant can pass its budget by what it has in flight plus what the
+other replicas charged since their last record was read (one sync interval, 1 s by default).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable
+
+from serve_app.config import TenantSettings
+
+
+def window_of(period: str, now: float) -> tuple[str, float]:
+    """The window containing ``now`` (UNIX seconds) for ``period``: its id (``2026-12-03`` or
+    ``2026-12``) and when it ends (UNIX seconds). UTC calendar days and months."""
+    t = datetime.fromtimestamp(now, timezone.utc)
+    if period == "day":
+        start = t.replace(hour=0, minute=0, second=0, microsecond=0)
+        end = datetime.fromtimestamp(start.timestamp() + 86400, timezone.utc)
+        return start.strftime("%Y-%m-%d"), end.timestamp()
+    if period == "month":
+        year, month = (t.year + 1, 1) if t.month == 12 else (t.year, t.month + 1)
+        end = datetime(year, month, 1, tzinfo=timezone.utc)
+        return t.strftime("%Y-%m"), end.timestamp()
+    raise ValueError(f"unknown budget period {period!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetRefusal:
+    """A spent budget: the 429's message and when the window ends (UNIX seconds)."""
+
+    message: str
+    resets_at: float
+
+    def retry_after_s(self, now: float) -> float:
+        return max(0.0, self.resets_at - now)
+
+
+@dataclass(slots=True)
+class _Spend:
+    window: str
+    own: int = 0          # charged by this router replica in the window (its record)
+    others: int = 0       # every other record of the window, as last read
+    written: int = 0      # ``own`` as last written to the store (no record: 0)
+    read: bool = False    # the store was read for this window at least once
+
+
+@dataclass
+class BudgetBook:
+    """Budget spend of every tenant with a budget, as one router replica knows it. Single-
+    threaded (the router's event loop); ``clock`` gives UNIX seconds."""
+
+    tenants: list[TenantSettings]
+    clock: Callable[[], float] = time.time
+    _spend: dict[str, _Spend] = field(default_factory=dict)
+    _limits: dict[str, TenantSettings] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.update(self.tenants)
+
+    def update(self, tenants: list[TenantSettings]) -> None:
+        """A new tenant list: budgets follow it; spend is kept (a redeploy or a raised budget
+        never refills anyone: the record lives on in the store)."""
+        self._limits = {t.name: t for t in tenants if t.token_budget is not None}
+        for name in list(self._spend):
+            if name not in self._limits:
+                del self._spend[name]
+
+    def budgeted(self) -> list[str]:
+        return sorted(self._limits)
+
+    def _current(self, tenant: str) -> _Spend | None:
+        limits = self._limits.get(tenant)
+        if limits is None or limits.token_budget is None:
+            return None
+        window, _ = window_of(limits.token_budget.period, self.clock())
+        spend = self._spend.get(tenant)
+        if spend is None or spend.window != window:  # a new window starts at zero
+            spend = self._spend[tenant] = _Spend(window)
+        return spend
+
+    def spent(self, tenant: str) -> int | None:
+        """Tokens ``tenant`` spent in its current window (None: no budget)."""
+        spend = self._current(tenant)
+        return None if spend is None else spend.own + spend.others
+
+    def check(self, tenant: str) -> BudgetRefusal | None:
+        """None while ``tenant`` may start a request; the refusal once its budget is spent."""
+        spend = self._current(tenant)
+        if spend is None:
+            return None
+        budget = self._limits[tenant].token_budget
+        assert budget is not None
+        if spend.own + spend.others < budget.tokens:
+            return None
+        _, ends = window_of(budget.period, self.clock())
+        when = datetime.fromtimestamp(ends, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return BudgetRefusal(
+            f"tenant {tenant} has used its budget of {budget.tokens} tokens per "
+            f"{budget.period}; it resets at {when} (in {math.ceil(ends - self.clock())} s)",
+            ends)
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        """A finished request of ``tenant`` used ``tokens`` (prompt + completion)."""
+        spend = self._current(tenant)
+        if spend is not None and tokens > 0:
+            spend.own += tokens
+
+    # -- the store's side (serve_app/ingress/budgets.py) ----------------------------------------
+    def windows(self) -> dict[str, str]:
+        """Tenant -> its current window id, for every tenant with a budget."""
+        out = {}
+        for tenant in self._limits:
+            spend = self._current(tenant)
+            assert spend is not None
+            out[tenant] = spend.window
+        return out
+
+    def unwritten(self) -> dict[tuple[str, str], int]:
+        """(tenant, window) -> this replica's spend, for records not yet written as they are."""
+        return {(t, s.window): s.own for t, s in self._spend.items()
+                if t in self._limits and s.own != s.written}
+
+    def written(self, tenant: str, window: str, own: int) -> None:
+        """The store now holds ``own`` as this replica's record of ``tenant``'s ``window``."""
+        spend = self._spend.get(tenant)
+        if spend is not None and spend.window == window:
+            spend.written = own
+
+    def merge(self, tenant: str, window: str, others: int, own_stored: int = 0) -> None:
+        """What the store holds for ``tenant``'s ``window``: ``others``, the sum of the other
+        replicas' records; ``own_stored``, this replica's record (more than it knows only when
+        it restarted under the same id)."""
+        spend = self._spend.get(tenant)
+        if spend is None or spend.window != window:
+            return
+        spend.others = others
+        if own_stored > spend.own:
+            spend.own = spend.written = own_stored
+        spend.read = True
+
+    def assume_read(self) -> None:
+        """The store could not be read: go on with what this replica knows (fail open)."""
+        for tenant in self.windows():
+            self._spend[tenant].read = True
+
+    def ready(self) -> bool:
+        """Whether every budgeted tenant's current window has been read from the store (a
+        replica that just started must not admit a spent tenant before it knows)."""
+        return all(self._spend[t].read for t in self.windows())

@@ -1,0 +1,143 @@
+"""Token budgets: windows, the book, the store sync (a fake store), the 429 (pure logic)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+
+import pytest
+
+from serve_app.config import AppConfig, ModelSettings, TenantSettings
+from serve_app.ingress import budgets as budgets_mod
+from serve_app.ingress.budgets import BudgetSync, budget_report
+from serve_app.ingress.errors import OpenAIError
+from serve_app.ingress.tenants import TenantGate
+from serve_app.tenancy.budget import BudgetBook, window_of
+from serve_app.tenancy.keys import Tenant, key_digest, new_key
+
+
+def _ts(*args: int) -> float:
+    return datetime(*args, tzinfo=timezone.utc).timestamp()
+
+
+def _tenant(name: str = "a", tokens: int | None = 200, period: str = "day") -> TenantSettings:
+    budget = None if tokens is None else {"tokens": tokens, "period": period}
+    return TenantSettings(name=name, api_key_sha256=[key_digest(new_key())],
+                          token_budget=budget)
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_windows_are_utc_days_and_months():
+    assert window_of("day", _ts(2026, 12, 3, 23, 59)) == ("2026-12-03", _ts(2026, 12, 4))
+    assert window_of("month", _ts(2026, 12, 31, 12)) == ("2026-12", _ts(2027, 1, 1))
+    assert window_of("month", _ts(2026, 2, 1)) == ("2026-02", _ts(2026, 3, 1))
+    with pytest.raises(ValueError):
+        window_of("week", 0)
+
+
+def test_spent_budget_refuses_until_the_window_ends_then_starts_at_zero():
+    clock = Clock(_ts(2026, 12, 3, 22))
+    book = BudgetBook([_tenant(tokens=200)], clock=clock)
+    assert book.check("a") is None
+    book.charge("a", 150)
+    assert book.check("a") is None  # below the budget: admitted (may overshoot in flight)
+    book.charge("a", 60)
+    refusal = book.check("a")
+    assert refusal is not None and refusal.retry_after_s(clock.t) == 2 * 3600
+    assert "200 tokens per day" in refusal.message and "2026-12-04T00:00:00Z" in refusal.message
+    clock.t = _ts(2026, 12, 4, 0, 0, 1)
+    assert book.check("a") is None and book.spent("a") == 0
+    assert book.check("no-budget") is None and book.spent("no-budget") is None
+
+
+def test_a_new_tenant_list_keeps_the_spend():
+    book = BudgetBook([_tenant(tokens=200)], clock=Clock(_ts(2026, 12, 3)))
+    book.charge("a", 250)
+    book.update([_tenant(tokens=200)])  # a redeploy of the same config
+    assert book.check("a") is not None
+    book.update([_tenant(tokens=1000)])  # a raised budget: the spend still counts
+    assert book.spent("a") == 250 and book.check("a") is None
+
+
+class FakeStore:
+    """Ray's internal KV as a dict (what serve_private's kv_* reach)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(budgets_mod, "kv_put", self.data.__setitem__)
+        monkeypatch.setattr(budgets_mod, "kv_get", self.data.get)
+        monkeypatch.setattr(budgets_mod, "kv_list",
+                            lambda prefix: [k for k in self.data if k.startswith(prefix)])
+
+
+def test_records_of_every_router_replica_add_up_and_survive_a_restart(monkeypatch):
+    store = FakeStore()
+    store.install(monkeypatch)
+    clock = Clock(_ts(2026, 12, 3, 12))
+    tenants = [_tenant(tokens=200)]
+
+    async def main() -> None:
+        r1, r2 = BudgetBook(tenants, clock=clock), BudgetBook(tenants, clock=clock)
+        s1, s2 = BudgetSync(r1, "llm", "r1"), BudgetSync(r2, "llm", "r2")
+        r1.charge("a", 120)
+        r2.charge("a", 90)
+        await s1.sync()
+        await s2.sync()
+        await s1.sync()
+        assert r1.spent("a") == r2.spent("a") == 210
+        assert r1.check("a") is not None and r2.check("a") is not None
+        # r1 restarts under a new id, r2 is gone: the new replica knows only after reading.
+        fresh = BudgetBook(tenants, clock=clock)
+        assert not fresh.ready() and fresh.check("a") is None
+        sync = BudgetSync(fresh, "llm", "r3")
+        await asyncio.wait_for(sync.ready(), 5)
+        assert fresh.spent("a") == 210 and fresh.check("a") is not None
+        sync._task.cancel()
+    asyncio.run(main())
+    assert set(store.data) == {"llm/budget/a/2026-12-03/r1", "llm/budget/a/2026-12-03/r2"}
+    report = budget_report("llm", tenants, now=clock.t)
+    assert report == {"a": {"tokens": 200, "period": "day", "window": "2026-12-03",
+                            "spent": 210, "left": 0, "resets_at": "2026-12-04T00:00:00Z"}}
+
+
+def test_an_unreachable_store_fails_open_on_what_the_replica_knows(monkeypatch):
+    def down(*_: object) -> None:
+        raise ConnectionError("gcs down")
+
+    monkeypatch.setattr(budgets_mod, "kv_list", down)
+    monkeypatch.setattr(budgets_mod, "kv_put", down)
+    book = BudgetBook([_tenant(tokens=200)])
+
+    async def main() -> None:
+        sync = BudgetSync(book, "llm", "r1")
+        await asyncio.wait_for(sync.ready(), 5)  # does not hang
+        sync._task.cancel()
+    asyncio.run(main())
+    book.charge("a", 300)
+    assert book.check("a") is not None
+
+
+def test_the_gate_answers_a_spent_budget_with_insufficient_quota():
+    key = new_key()
+    tenant = TenantSettings(name="a", api_key_sha256=[key_digest(key)],
+                            token_budget={"tokens": 10, "period": "month"})
+    cfg = AppConfig(models=[ModelSettings(name="m", path="m")], tenants=[tenant])
+    gate = TenantGate(cfg)
+    a = Tenant("a")
+    gate.admit(a)
+    gate.budgets.charge("a", 10)
+    with pytest.raises(OpenAIError) as err:
+        gate.admit(a)
+    body = err.value.body()["error"]
+    assert err.value.status_code == 429
+    assert body["type"] == "insufficient_quota" and body["code"] == "insufficient_quota"
+    assert int(err.value.headers["Retry-After"]) >= 1
