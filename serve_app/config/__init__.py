@@ -34,5 +34,6 @@ from serve_app.config.router import AdmissionSettings, RouterSettings
 __all__ = ["APP_NAME", "DEFAULT_CONFIG", "DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_MODEL_NAME",
            "DEFAULT_STALL_TIMEOUT_S", "LOOPBACK_HOSTS", "TENANTS_FILE_ENV",
            "VLLM_DEFAULT_MAX_NUM_SEQS", "AdmissionSettings", "AppConfig", "AutoscalingSettings",
-           "ConfigError", "GovernanceSettings", "ModelSettings", "Priority", "RouterSettings", "TenantSettings",
-           "TokenBudget", "UsageSettings", "load_config", "parse_config", "tenants_from_file"]
+           "ConfigError", "GovernanceSettings", "ModelSettings", "Priority", "RouterSettings",
+           "TenantSettings", "TokenBudget", "UsageSettings", "load_config", "parse_config",
+           "tenants_from_file"]
