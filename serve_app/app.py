@@ -64,8 +64,10 @@ def llm_server_options(m: ModelSettings) -> dict[str, Any]:
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "graceful_shutdown_timeout_s": m.drain_timeout_s,
-        # Output channels are opened on one named replica (serve_app/routing/pinned.py).
-        "request_router_config": {"request_router_class": PINNED_ROUTER_CLASS},
+        # Output channels are opened on one named replica; requests go where the model's
+        # routing policy says (serve_app/routing/pinned.py).
+        "request_router_config": {"request_router_class": PINNED_ROUTER_CLASS,
+                                  "request_router_kwargs": m.routing.router_kwargs(m.name)},
         **replica_placement(m).deployment_options(),
     }
     if a.min_replicas == a.max_replicas:
@@ -134,8 +136,10 @@ def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CL
     """Serve deployment name -> the version :func:`build_app` gives it (pure; unit-tested)."""
     # Replica counts and autoscaling are Serve options, applied in place: in a version they
     # replaced every engine (and router) replica to scale a model from two replicas to one.
+    # Routing is read where requests are routed, in the routers' handles, which read it once:
+    # a routing change rolls the routers (it is in their version), never the engines.
     versions = {llm_server_name(m.name): deployment_version(
-        m.model_dump(mode="json", exclude={"autoscaling"}), engine_class)
+        m.model_dump(mode="json", exclude={"autoscaling", "routing"}), engine_class)
         for m in config.models}
     # Tenants are live (serve_app/ingress/live_config.py): every router replica adopts the
     # published list within a second, so they are no part of the router's version. With them

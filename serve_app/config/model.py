@@ -15,6 +15,7 @@ from serve_app.config.base import (
     _OWNED_ENGINE_KWARGS,
     _Strict,
 )
+from serve_app.config.routing import RoutingSettings
 
 
 class AutoscalingSettings(_Strict):
@@ -120,6 +121,9 @@ class ModelSettings(_Strict):
         default_factory=dict, description="Environment variables of the replica (VLLM_*, OMP_*)."
     )
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    routing: RoutingSettings = Field(
+        default_factory=RoutingSettings, description="How the routers choose the engine "
+        "replica of each request: `policy` (power_of_two | prefix_affinity) and its knobs.")
     drain_timeout_s: float = Field(
         DEFAULT_DRAIN_TIMEOUT_S, gt=0, description="How long a replica chosen to go (scale-down, redeploy) may "
         "take to finish its streams; it gets no new requests meanwhile. Size it to the longest "

@@ -1,0 +1,49 @@
+"""A model's ``routing:`` section: how the routers choose the engine replica of each request
+(:mod:`serve_app.routing`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from serve_app.config.base import _Strict
+
+
+class RoutingSettings(_Strict):
+    """Replica choice for one model's requests (docs/routing.md).
+
+    ``power_of_two`` (the default) is Ray Serve's own choice: two random replicas, the one
+    with fewer requests wins. ``prefix_affinity`` sends requests that share a tenant and a
+    prompt prefix to the same replica, where vLLM's prefix cache holds that prefix, unless that
+    replica is busier than the least-loaded by more than ``imbalance_margin``. The default
+    stays ``power_of_two`` until the GPU comparison (bench/gpu_prefix_affinity.sh) has run.
+    """
+
+    policy: Literal["power_of_two", "prefix_affinity"] = Field(
+        "power_of_two", description="`power_of_two`: Serve's choice, keys unused. "
+        "`prefix_affinity`: rendezvous hashing of (tenant cache salt, leading prompt blocks) "
+        "over the replicas, bounded by load; every router replica computes the same choice "
+        "with no shared state.")
+    block_tokens: int = Field(
+        64, ge=1, description="prefix_affinity: tokens per key block. A prompt shorter than "
+        "one block has no key and is spread by power of two (reason `cold`).")
+    prefix_blocks: int = Field(
+        4, ge=1, description="prefix_affinity: leading blocks that make the key (default 4 x "
+        "64 = 256 tokens). Keep block_tokens x prefix_blocks at or under the prefix your "
+        "tenants' requests share (system prompt, few-shot block): a key that reaches into the "
+        "unique part of each prompt spreads requests like random choice.")
+    chars_per_token: int = Field(
+        4, ge=1, description="prefix_affinity: characters counted as one token when a text "
+        "prompt or chat messages are cut into blocks (the router has no tokenizer; only "
+        "requests of equal leading text must agree).")
+    imbalance_margin: int = Field(
+        4, ge=0, description="prefix_affinity: requests (Serve's queue length) the key's "
+        "replica may hold above the least-loaded candidate before the request goes to the "
+        "first replica of the key's order within the margin (reason `load_fallback`). "
+        "Lower spreads a hot tenant sooner; higher keeps more prefixes cached.")
+
+    def router_kwargs(self, model: str) -> dict[str, Any]:
+        """The request router's ``initialize_state`` arguments (Serve's
+        ``request_router_kwargs``, JSON only)."""
+        return {"model": model, **self.model_dump(mode="json")}
