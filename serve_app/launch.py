@@ -200,7 +200,7 @@ def start_stack(config: AppConfig, address: str | None = None,
     # that happens to run on this machine (ray.init(None) joins one it finds).
     ray.init(address=address or "local", **ray_init)
     serve.start(**serve_start_options(config))
-    _record(config)
+    _record(config, "start")
     app = build_app(config) if engine_class is None else build_app(config, engine_class)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     return base_url(config)
@@ -268,12 +268,22 @@ def base_url(config: AppConfig) -> str:
     return f"http://{host}:{config.router.port}"
 
 
-def _record(config: AppConfig) -> str:
-    """Publish ``config`` as the deployed one and its tenants as the live ones."""
-    from serve_app.ingress.live_config import publish_config, publish_tenants
+def _record(config: AppConfig, action: str) -> str:
+    """Publish ``config`` as the deployed one and its tenants as the live ones, and add an
+    audit entry (``action``: start, live or redeploy) naming the tenants it changed."""
+    from serve_app.ingress.live_config import publish_config, publish_tenants, read_tenants
+    from serve_app.observability.audit import append_audit, audit_entry
 
-    publish_config(APP_NAME, config.model_dump(mode="json"))
-    return publish_tenants(APP_NAME, config.tenants)
+    before = read_tenants(APP_NAME)
+    dumped = config.model_dump(mode="json")
+    publish_config(APP_NAME, dumped)
+    version = publish_tenants(APP_NAME, config.tenants)
+    try:
+        append_audit(APP_NAME, audit_entry(action, dumped, version,
+                                           before[1] if before else None, config.tenants))
+    except Exception:  # the change is made; a lost audit entry must not undo or hide it
+        logger.exception("could not write the audit entry of this deploy")
+    return version
 
 
 def _structure(config: dict[str, Any]) -> dict[str, Any]:
@@ -315,12 +325,12 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
         raise ValueError(f"router.port is {config.router.port} but the running stack serves "
                          f"on {running['router']['port']}; a new port needs a restart")
     if running is not None and _structure(running) == _structure(new):
-        return DeployResult("live", _record(config))
+        return DeployResult("live", _record(config, "live"))
     if running is None:
         # First deploy onto this cluster: Serve's ingress must listen where the config says
         # (serve.run alone would start it on 127.0.0.1, out of reach of the cluster's clients).
         serve.start(**serve_start_options(config))
-    version = _record(config)
+    version = _record(config, "redeploy")
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     return DeployResult("redeployed", version)
 
@@ -335,6 +345,7 @@ def status(address: str | None = "auto") -> dict[str, Any]:
     from serve_app.app import ROUTER_DEPLOYMENT
     from serve_app.ingress.budgets import budget_report
     from serve_app.ingress.live_config import read_tenants
+    from serve_app.observability.audit import read_audit
 
     if not ray.is_initialized():
         # Replicas' log lines would otherwise stream into this process's stdout, after the
@@ -352,6 +363,8 @@ def status(address: str | None = "auto") -> dict[str, Any]:
         "tenants": [t.name for t in live[1]] if live else [],
         # Per tenant with a token budget: spent and left in the current window, its reset.
         "budgets": budget_report(APP_NAME, live[1]) if live else {},
+        # The last deploys: who, when, which config, which tenants changed (never digests).
+        "audit": read_audit(APP_NAME, last=5),
         "models": _router_view(app is not None and ROUTER_DEPLOYMENT in app.deployments),
     }
 

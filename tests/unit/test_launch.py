@@ -66,7 +66,7 @@ def test_first_deploy_to_a_cluster_listens_where_the_config_says(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(serve, "start", lambda **kw: calls.append(("start", kw)))
     monkeypatch.setattr(serve, "run", lambda *a, **kw: calls.append(("run", kw["name"])))
-    monkeypatch.setattr(launch, "_record", lambda config: "v1")
+    monkeypatch.setattr(launch, "_record", lambda config, action: "v1")
     published: dict = {}
     monkeypatch.setattr(live_config, "read_config", lambda app: published.get(app))
     assert launch.deploy(cfg).mode == "redeployed"
