@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -43,3 +44,10 @@ class GovernanceSettings(_Strict):
     """Billing and audit of tenants (issue 29)."""
 
     usage: UsageSettings = Field(default_factory=UsageSettings)
+    quota_scope: Literal["cluster", "replica"] = Field(
+        "cluster", description="`cluster`: one quota state for the app (a Ray actor), so "
+        "every router replica enforces a tenant's whole requests_per_minute and "
+        "tokens_per_minute together, and a router restart refills nothing; routers take "
+        "leases of it in batches and fall back to their own share with a warning when it "
+        "does not answer (serve_app/ingress/cluster_quota.py). `replica`: each router replica "
+        "holds its share (1/num_replicas) of every limit on its own.")

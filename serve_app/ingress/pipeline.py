@@ -212,7 +212,7 @@ class RequestPipeline:
         handle = self.model_handle(req.model, tenant)
         if self.budgets is not None:  # a replica that just started reads the spend first
             await self.budgets.ready()
-        self.gate.admit(tenant)  # quota
+        await self.gate.acquire(tenant)  # quota
         # From here until the response starts, watch the client: one that leaves while its
         # request is queued or in prefill frees its place and the engine at once.
         gone = asyncio.ensure_future(disconnected(http_request.receive))

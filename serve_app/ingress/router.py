@@ -64,7 +64,7 @@ class OpenAIRouter:
         settings = config_.router
         app_name, router_id = _replica_context()
         servers = {name: on_data_plane(h) for name, h in servers.items()}
-        gate = TenantGate(config_)
+        gate = TenantGate(config_, app_name)
         self.tenants = LiveTenants(config_, gate, app_name)
         self.cards = ModelCards(servers)
         adm = settings.admission

@@ -16,6 +16,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from serve_app.config import AppConfig, TenantSettings
 from serve_app.admission.controller import AdmissionController
 from serve_app.engine.protocol import EngineLoad
+from serve_app.ingress.cluster_quota import ClusterQuota
 from serve_app.ingress.errors import OpenAIError
 from serve_app.observability.metrics import (
     LATENCY_BUCKETS_S,
@@ -28,7 +29,7 @@ from serve_app.tenancy.concurrency import ConcurrencyCaps
 from serve_app.tenancy.fair_queue import BANDS
 from serve_app.tenancy.headers import ratelimit_headers
 from serve_app.tenancy.keys import KeyRing, Tenant
-from serve_app.tenancy.quota import QuotaBook
+from serve_app.tenancy.quota import Admission, QuotaBook
 
 
 def _metric(cls: type, key: str, kind: str, tags: tuple[str, ...], **kwargs: object) -> Any:
@@ -42,9 +43,16 @@ def _metric(cls: type, key: str, kind: str, tags: tuple[str, ...], **kwargs: obj
 class TenantGate:
     """Authentication, model access and quotas for one router replica."""
 
-    def __init__(self, config: AppConfig) -> None:
+    def __init__(self, config: AppConfig, app_name: str | None = None) -> None:
+        """With ``app_name`` and ``governance.quota_scope: cluster``, rates are enforced for
+        the whole app through its quota actor (:mod:`serve_app.ingress.cluster_quota`), this
+        replica's share in :attr:`quotas` being the fallback; else by :attr:`quotas` alone."""
         self.keys = KeyRing(config.tenants)
         self.quotas = QuotaBook(config.tenants, share=1 / config.router.num_replicas)
+        self.cluster = (ClusterQuota(app_name, config.tenants, config.router.num_replicas,
+                                     self.quotas)
+                        if app_name is not None and config.governance.quota_scope == "cluster"
+                        else None)
         # Shared by every model's admission controller of this replica (the cap spans models).
         self.caps = ConcurrencyCaps(config.tenants, share=1 / config.router.num_replicas)
         # Budgets are whole per tenant (not shared out): every replica sums all the records.
@@ -70,6 +78,8 @@ class TenantGate:
         (requests already admitted finish as they were admitted)."""
         self.keys = KeyRing(tenants)
         self.quotas.update(tenants)
+        if self.cluster is not None:
+            self.cluster.update(tenants)
         self.caps.update(tenants)
         self.budgets.update(tenants)
 
@@ -112,9 +122,22 @@ class TenantGate:
             raise OpenAIError(401, msg, code="invalid_api_key")
         return tenant
 
+    async def acquire(self, tenant: Tenant) -> None:
+        """:meth:`admit`, with the rates of the whole app when the quota is cluster-wide (a
+        call to the quota actor only when this replica's lease of the tenant runs out)."""
+        if self.cluster is None:
+            return self.admit(tenant)
+        self._check_budget(tenant)
+        self._refuse(await self.cluster.admit(tenant.name))
+
     def admit(self, tenant: Tenant) -> None:
         """Raise 429 with ``Retry-After`` when the tenant is over a quota (``insufficient_quota``
-        once its token budget is spent, ``rate_limit_exceeded`` over a rate); else admit."""
+        once its token budget is spent, ``rate_limit_exceeded`` over a rate) by this replica's
+        own buckets; else admit."""
+        self._check_budget(tenant)
+        self._refuse(self.quotas.admit(tenant.name))
+
+    def _check_budget(self, tenant: Tenant) -> None:
         spent = self.budgets.check(tenant.name)
         if spent is not None:
             wait = spent.retry_after_s(time.time())
@@ -122,7 +145,9 @@ class TenantGate:
                               error_type="insufficient_quota",
                               headers={"Retry-After": str(max(1, math.ceil(wait))),
                                        "x-ratelimit-limit-type": "token_budget"})
-        decision = self.quotas.admit(tenant.name)
+
+    @staticmethod
+    def _refuse(decision: Admission) -> None:
         if not decision.admitted:
             wait = max(decision.retry_after_s, 0.001)
             raise OpenAIError(
@@ -134,11 +159,16 @@ class TenantGate:
     def ratelimit_headers(self, tenant: Tenant, pending_tokens: int = 0) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for ``tenant`` now (none for a limit it does not
         have); ``pending_tokens``: the tokens of the request being answered, not yet settled."""
-        return ratelimit_headers(*self.quotas.state(tenant.name, pending_tokens))
+        state = (self.cluster.state(tenant.name, pending_tokens)
+                 if self.cluster is not None else None)
+        return ratelimit_headers(*(state or self.quotas.state(tenant.name, pending_tokens)))
 
     def refund(self, tenant: Tenant) -> None:
         """Undo :meth:`admit`'s request charge (the request was refused with queue_full)."""
-        self.quotas.refund(tenant.name)
+        if self.cluster is not None:
+            self.cluster.refund(tenant.name)
+        else:
+            self.quotas.refund(tenant.name)
 
     def finish(self, tenant: Tenant, model: str, status: int, prompt_tokens: int = 0,
                completion_tokens: int = 0) -> None:
@@ -151,4 +181,6 @@ class TenantGate:
             self._tokens.inc(completion_tokens,
                              tags={"tenant": tenant.name, "model": model, "kind": "completion"})
         self.quotas.settle(tenant.name, prompt_tokens + completion_tokens)
+        if self.cluster is not None:
+            self.cluster.settle(tenant.name, prompt_tokens + completion_tokens)
         self.budgets.charge(tenant.name, prompt_tokens + completion_tokens)

@@ -1,0 +1,156 @@
+"""One quota state per cluster: the actor's buckets, routers' leases, restarts, the fallback
+(pure: the actor class runs in-process behind a fake handle, the key-value store is a dict)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from serve_app import serve_private
+from serve_app.config import TenantSettings
+from serve_app.ingress import cluster_quota, live_config
+from serve_app.ingress.cluster_quota import ClusterQuota, QuotaState
+from serve_app.tenancy.headers import ratelimit_headers
+from serve_app.tenancy.keys import key_digest, new_key
+from serve_app.tenancy.quota import QuotaBook
+
+
+def _tenant(name: str = "a", **limits) -> TenantSettings:
+    return TenantSettings(name=name, api_key_sha256=[key_digest(new_key())], **limits)
+
+
+@pytest.fixture
+def store(monkeypatch) -> dict:
+    data: dict[str, bytes] = {}
+    monkeypatch.setattr(serve_private, "kv_put", data.__setitem__)
+    monkeypatch.setattr(serve_private, "kv_get", data.get)
+    monkeypatch.setattr(live_config, "read_tenants", lambda app: None)
+    monkeypatch.setattr(cluster_quota, "CHECKPOINT_S", 0.0)
+    return data
+
+
+class FakeActor:
+    """A Ray actor handle over an in-process QuotaState: ``h.lease.remote(...)`` awaitable."""
+
+    def __init__(self, state: QuotaState) -> None:
+        self.state = state
+        self.calls = 0
+        self.down = False
+
+    def __getattr__(self, name: str):
+        method = getattr(self.state, name)
+        outer = self
+
+        class Method:
+            def remote(self, *args):
+                outer.calls += 1
+
+                async def run():
+                    if outer.down:
+                        raise ConnectionError("actor lost")
+                    return method(*args)
+                return run()
+        return Method()
+
+
+def _routers(tenants, n: int, actor: FakeActor) -> list[ClusterQuota]:
+    out = []
+    for _ in range(n):
+        cq = ClusterQuota("llm", tenants, n, QuotaBook(tenants, share=1 / n))
+        cq._actor = actor
+        cq._get_actor = lambda: actor  # a lost actor comes back as the same handle here
+        out.append(cq)
+    return out
+
+
+def test_two_routers_share_one_bucket_not_half_each(store):
+    tenants = [_tenant(requests_per_minute=6)]
+    actor = FakeActor(QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
+    r1, r2 = _routers(tenants, 2, actor)
+
+    async def main():
+        one_router = [(await r1.admit("a")).admitted for _ in range(12)]
+        assert one_router.count(True) == 6  # the whole limit through one replica
+        spread = [(await r.admit("a")).admitted for r in (r1, r2) * 3]
+        assert not any(spread)  # and nothing more through the other
+        refusal = await r2.admit("a")
+        assert refusal.limit == "requests_per_minute" and 0 < refusal.retry_after_s <= 10
+    asyncio.run(main())
+
+
+def test_leases_take_batches_so_most_requests_make_no_call(store):
+    tenants = [_tenant(requests_per_minute=6000)]  # 100 a second: batches of 50 per router
+    actor = FakeActor(QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
+    r1, _ = _routers(tenants, 2, actor)
+
+    async def main():
+        for _ in range(100):
+            assert (await r1.admit("a")).admitted
+    asyncio.run(main())
+    assert actor.calls == 2
+    h = ratelimit_headers(*r1.state("a"))
+    assert h["x-ratelimit-limit-requests"] == "6000"
+    assert int(h["x-ratelimit-remaining-requests"]) == 5900  # falls by one per request
+
+
+def test_a_restarted_router_and_a_restarted_actor_refill_nothing(store):
+    tenants = [_tenant(requests_per_minute=6)]
+    dumped = [t.model_dump(mode="json") for t in tenants]
+    actor = FakeActor(QuotaState("llm", dumped))
+    (r1,) = _routers(tenants, 1, actor)
+
+    async def main():
+        assert [(await r1.admit("a")).admitted for _ in range(4)] == [True] * 4
+        (restarted,) = _routers(tenants, 1, actor)  # a new replica: no lease, same actor
+        assert [(await restarted.admit("a")).admitted for _ in range(4)] == [
+            True, True, False, False]
+        # The actor lost and started again: its buckets come back from the checkpoint.
+        reborn = FakeActor(QuotaState("llm", dumped))
+        (r3,) = _routers(tenants, 1, reborn)
+        assert not (await r3.admit("a")).admitted
+    asyncio.run(main())
+
+
+def test_tokens_are_charged_cluster_wide_and_seen_at_once_by_the_charging_router(store):
+    tenants = [_tenant(tokens_per_minute=600)]
+    actor = FakeActor(QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
+    r1, r2 = _routers(tenants, 2, actor)
+
+    async def main():
+        assert (await r1.admit("a")).admitted
+        r1.settle("a", 700)  # over the whole limit: r1 knows at once
+        refusal = await r1.admit("a")
+        assert not refusal.admitted and refusal.limit == "tokens_per_minute"
+        assert math.isclose(refusal.retry_after_s, 10, abs_tol=0.5)  # 100 in debt at 10/s
+        assert not (await r2.admit("a")).admitted  # r2 asks the actor, which knows
+    asyncio.run(main())
+
+
+def test_an_unreachable_actor_falls_back_to_the_local_share_then_recovers(store, monkeypatch):
+    monkeypatch.setattr(cluster_quota, "RETRY_S", 0.05)
+    tenants = [_tenant(requests_per_minute=6)]
+    actor = FakeActor(QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
+    r1, _ = _routers(tenants, 2, actor)
+
+    async def main():
+        actor.down = True
+        local = [(await r1.admit("a")).admitted for _ in range(5)]
+        assert local == [True, True, True, False, False] and r1.degraded  # its share: 3
+        await asyncio.sleep(0.06)
+        actor.down = False
+        assert (await r1.admit("a")).admitted and not r1.degraded  # the actor again
+    asyncio.run(main())
+
+
+def test_unlimited_tenants_never_call_the_actor(store):
+    tenants = [_tenant("free")]
+    actor = FakeActor(QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
+    (r1,) = _routers(tenants, 1, actor)
+
+    async def main():
+        for _ in range(10):
+            assert (await r1.admit("free")).admitted
+    asyncio.run(main())
+    assert actor.calls == 0 and r1.state("free") is None
