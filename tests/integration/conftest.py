@@ -37,11 +37,12 @@ TENANTS: dict[str, dict] = {
     "rpm-limited": {"requests_per_minute": 3},
     "tpm-limited": {"tokens_per_minute": 120},
     "no-models": {"models": []},
-    # test_governance.py's: rate-limit headers, a concurrency cap, usage records.
+    # test_governance.py's: rate-limit headers, a concurrency cap, usage records, a budget.
     "headers": {"requests_per_minute": 4, "tokens_per_minute": 100000},
     "capped": {"max_concurrent_requests": 2},
     "usage-a": {},
     "usage-b": {"priority": "low"},
+    "budget": {"token_budget": {"tokens": 200, "period": "day"}},
 }
 
 

@@ -171,3 +171,86 @@ def _cli_rows(main, folder: Path) -> list[dict]:
     with contextlib.redirect_stdout(out):
         assert main(["usage", "--file", str(folder), "--json"]) == 0
     return json.loads(out.getvalue())
+
+
+def _restart_router_replica() -> None:
+    """Kill the stack's router replica (Serve starts a new one) and return once it serves."""
+    import ray
+    from ray.util.state import list_actors
+
+    from .conftest import wait_until
+
+    routers = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+               if a.class_name.startswith("ServeReplica:llm:Router")]
+    assert len(routers) == 1, routers
+    ray.kill(ray.get_actor(routers[0].name, namespace="serve"), no_restart=True)
+
+    def replaced() -> bool:
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                 if a.class_name.startswith("ServeReplica:llm:Router")]
+        return bool(alive) and alive[0].actor_id != routers[0].actor_id
+    wait_until(replaced, 120, 0.5)
+
+
+def test_spent_budget_is_insufficient_quota_and_stays_spent_after_redeploy_and_restart(stack):
+    """Tenant `budget`: 200 tokens per day. One request of 199 output tokens spends it; the
+    next is 429 insufficient_quota, and stays so after `serve-app deploy` of the same config
+    and after its router replica is killed and replaced; `serve-app status` shows it."""
+    from serve_app.launch import deploy, status
+
+    from .conftest import wait_until
+
+    first = _post(stack, "budget", max_tokens=199, ignore_eos=True)
+    assert first.status_code == 200, first.text
+    assert first.json()["usage"]["total_tokens"] >= 200
+    spent = _post(stack, "budget")
+    assert spent.status_code == 429, spent.text
+    err = spent.json()["error"]
+    assert err["code"] == "insufficient_quota" and err["type"] == "insufficient_quota"
+    assert "200 tokens per day" in err["message"] and "resets at" in err["message"]
+    assert 1 <= int(spent.headers["retry-after"]) <= 86400
+    # status reads the records the router writes every second.
+    report = wait_until(lambda: (b := status(address=None)["budgets"].get("budget"))
+                        and b["spent"] >= 200 and b, 15, 0.2)
+    assert report["tokens"] == 200 and report["left"] == 0 and report["period"] == "day"
+    # A redeploy of the same config (live: it republishes the tenants) refills nothing.
+    assert deploy(stack["config"], address=None).mode == "live"
+    assert _post(stack, "budget").status_code == 429
+    # A new router replica reads the spend before it admits the tenant.
+    _restart_router_replica()
+
+    def answered() -> int | None:
+        try:
+            code = _post(stack, "budget").status_code
+        except httpx.HTTPError:
+            return None
+        return code if code in (200, 429) else None  # 502/503 while HAProxy catches up
+    assert wait_until(answered, 120, 0.5) == 429
+    assert _post(stack, "team-a").status_code == 200  # the new replica serves the others
+
+
+def test_a_deploy_that_removes_a_tenant_is_in_the_audit_log_and_status(stack):
+    """`serve-app deploy` without tenant `usage-b`, then with it again: two audit entries,
+    naming it removed and added (with its limits), shown by `serve-app status`, no digest."""
+    from serve_app.launch import deploy, status
+
+    cfg = stack["config"]
+    without = cfg.model_copy(update={"tenants": [t for t in cfg.tenants
+                                                 if t.name != "usage-b"]})
+    try:
+        assert deploy(without, address=None).mode == "live"
+        removed = status(address=None)["audit"][-1]
+    finally:
+        assert deploy(cfg, address=None).mode == "live"
+    shown = status(address=None)
+    added = shown["audit"][-1]
+    assert removed["action"] == "live" and removed["removed"] == ["usage-b"]
+    assert removed["added"] == [] and removed["changed"] == [] and "@" in removed["operator"]
+    assert [t["name"] for t in added["added"]] == ["usage-b"]
+    assert added["added"][0]["priority"] == "low" and added["added"][0]["keys"] == 1
+    assert added["tenants_version"] == shown["tenants_version"]
+    assert removed["config_version"] != added["config_version"]
+    text = json.dumps(shown)
+    for tenant in cfg.tenants:
+        for digest in tenant.api_key_sha256:
+            assert digest not in text
