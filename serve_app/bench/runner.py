@@ -17,6 +17,12 @@ from typing import Any
 from serve_app.bench import report
 from serve_app.bench.client import Progress, Target, run_concurrency, run_static
 from serve_app.bench.stats import SLO, service_over_time, summarize, summarize_by_tenant
+from serve_app.bench.shared_prefix import (
+    SharedPrefix,
+    iter_shared_prefix,
+    shared_prefix_plan,
+    warmup_requests,
+)
 from serve_app.bench.workload import iter_plan, parse_length, parse_tenants, plan
 
 
@@ -43,6 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="uncounted requests before each run (default: the concurrency, min 2)")
     p.add_argument("--tenant", action="append", default=[],
                    help="name:api_key:share, repeatable (multi-tenant mix)")
+    p.add_argument("--prefix-groups", type=int, default=0, metavar="N",
+                   help="shared-prefix mode: N groups (spread over the tenants round-robin), "
+                   "each with its own prefix of --prefix-len tokens; every request is its "
+                   "group's prefix plus a unique suffix of --input-len tokens. The warm-up is "
+                   "one request per group (unless --warmup)")
+    p.add_argument("--prefix-len", type=int, default=1024, metavar="P",
+                   help="shared-prefix mode: tokens of each group's prefix")
+    p.add_argument("--turns", type=int, default=1,
+                   help="shared-prefix mode: turns per session; each turn's prompt holds the "
+                   "earlier turns (suffix + an output-length answer), so history grows")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-e2el-ms", type=float, default=None)
@@ -74,15 +90,25 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     if len(counts) not in (1, len(caps)):
         raise SystemExit("--num-requests: give one number or one per concurrency")
     counts = counts * len(caps) if len(counts) == 1 else counts
+    shape = shared_prefix_shape(args, in_len, out_len)
     for i, conc in enumerate(caps):
         # A run bounded by time draws requests until it ends; --num-requests bounds the others.
         n = counts[i] if args.duration is None else None
         warm = args.warmup if args.warmup is not None else max(conc, 2)
-        if warm:
-            await run_concurrency(target, plan(warm, in_len, out_len, tenants, vocab,
-                                               seed=args.seed + 1000 + i), conc)
-        reqs = iter_plan(n, in_len, out_len, tenants, vocab, seed=args.seed + i,
-                         rate=args.rate, burstiness=args.burstiness)
+        if shape is not None:
+            # The prefixes are the same in every run (seeded by --seed, not by the run).
+            warmup = (warmup_requests(shape, tenants, vocab, args.seed) if args.warmup is None
+                      else shared_prefix_plan(warm, shape, tenants, vocab, args.seed + 1000 + i))
+            if warmup:
+                await run_concurrency(target, warmup, conc)
+            reqs = iter_shared_prefix(n, shape, tenants, vocab, seed=args.seed, rate=args.rate,
+                                      burstiness=args.burstiness)
+        else:
+            if warm:
+                await run_concurrency(target, plan(warm, in_len, out_len, tenants, vocab,
+                                                   seed=args.seed + 1000 + i), conc)
+            reqs = iter_plan(n, in_len, out_len, tenants, vocab, seed=args.seed + i,
+                             rate=args.rate, burstiness=args.burstiness)
         label = f"c={conc}" + (f" rate={args.rate}" if args.rate else "")
         records, wall = await run_concurrency(
             target, reqs, conc, Progress(n or 0, label, progress_on), args.duration)
@@ -100,15 +126,29 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "command": "serve-app bench " + " ".join(shlex.quote(a) for a in redact_keys(sys.argv[2:])),
         "target": f"{target.base_url}{target.endpoint} model={target.model}",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "workload": f"input {args.input_len} tokens, output {args.output_len} tokens "
-                    f"(ignore_eos), {args.num_requests} requests per run, tenants "
-                    f"{[t.name for t in tenants]}",
+        "workload": (f"input {args.input_len} tokens" if shape is None else
+                     f"shared prefix: {shape.groups} groups of {shape.prefix_len} tokens, unique "
+                     f"suffix {shape.suffix_len} tokens, {shape.turns} turn(s) per session")
+                    + f", output {args.output_len} tokens (ignore_eos), {args.num_requests} "
+                    f"requests per run, tenants {[t.name for t in tenants]}",
         "runs": runs,
         "service_over_time": service,
     }
     if args.static_vs_continuous:
         result["static_vs_continuous"] = await _batching(args, target, tenants, in_len, vocab)
     return result
+
+
+def shared_prefix_shape(args: argparse.Namespace, in_len: tuple[int, int],
+                        out_len: tuple[int, int]) -> SharedPrefix | None:
+    """The shared-prefix workload the arguments ask for (None: ``--prefix-groups`` 0). Its
+    suffix and output lengths are --input-len and --output-len, each one number."""
+    if not args.prefix_groups:
+        return None
+    if in_len[0] != in_len[1] or out_len[0] != out_len[1]:
+        raise SystemExit("shared-prefix mode: give --input-len (the suffix) and --output-len "
+                         "as one number each")
+    return SharedPrefix(args.prefix_groups, args.prefix_len, in_len[0], out_len[0], args.turns)
 
 
 def redact_keys(argv: list[str]) -> list[str]:

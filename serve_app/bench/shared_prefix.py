@@ -1,0 +1,119 @@
+"""The shared-prefix workload of ``serve-app bench`` (pure and seeded; unit-tested).
+
+What multi-tenant traffic looks like to a prefix cache: N groups (a tenant's system prompt,
+few-shot block, RAG context), each with its own prefix of P tokens; every request is its
+group's prefix followed by a unique suffix of S tokens, and asks for O output tokens.
+
+* Groups belong to tenants round-robin (group g to tenant g mod T), and a request picks its
+  tenant by share, then one of that tenant's groups uniformly: ``--tenant hot:KEY:0.7`` makes
+  one tenant send 70% of the load over its own groups.
+* With ``turns`` > 1 a request is a turn of a session (one group): turn k's prompt is the
+  prefix, the earlier turns' user suffixes each followed by an O-token stand-in for the
+  assistant's answer, then the new suffix, so a session's history grows by S + O tokens a
+  turn. The plan goes round by round (every session's turn 1, then every turn 2, ...), so a
+  session's next turn is usually sent after its last one finished.
+* :func:`warmup_requests` is one request per group: the prefixes are cached somewhere before
+  the measured run, as in the issue's ceiling measurement.
+
+Prompts are token ids (as the rest of the bench), so their lengths are exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from serve_app.bench.workload import PlannedRequest, Tenant, gamma_offsets
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """The workload's shape: ``groups`` prefixes of ``prefix_len`` tokens, suffixes of
+    ``suffix_len`` tokens, ``output_len`` output tokens, ``turns`` turns per session (1: every
+    request is a fresh suffix on its group's prefix)."""
+
+    groups: int
+    prefix_len: int
+    suffix_len: int
+    output_len: int
+    turns: int = 1
+
+    def __post_init__(self) -> None:
+        if self.groups < 1 or self.prefix_len < 1 or self.suffix_len < 1 or self.turns < 1:
+            raise ValueError("shared prefix: groups, prefix length, suffix length and turns "
+                             "must be at least 1")
+        if self.output_len < 1:
+            raise ValueError("shared prefix: output length must be at least 1")
+
+
+def group_prefix(group: int, length: int, vocab: tuple[int, int], seed: int) -> list[int]:
+    """Group ``group``'s prefix: the same ids for the same (group, seed) in every run, and
+    different groups differ from their first token (a key on the leading blocks tells them
+    apart)."""
+    rng = random.Random(f"prefix-{seed}-{group}")
+    return [rng.randrange(*vocab) for _ in range(length)]
+
+
+def tenant_groups(shape: SharedPrefix, tenants: list[Tenant]) -> dict[str, list[int]]:
+    """Tenant name -> its groups (round-robin). Every tenant needs at least one group."""
+    if shape.groups < len(tenants):
+        raise ValueError(f"shared prefix: {shape.groups} groups for {len(tenants)} tenants; "
+                         "give every tenant at least one group (raise --prefix-groups)")
+    owned: dict[str, list[int]] = {t.name: [] for t in tenants}
+    for g in range(shape.groups):
+        owned[tenants[g % len(tenants)].name].append(g)
+    return owned
+
+
+def iter_shared_prefix(n: int | None, shape: SharedPrefix, tenants: list[Tenant],
+                       vocab: tuple[int, int], seed: int = 0, rate: float | None = None,
+                       burstiness: float = 1.0) -> Iterator[PlannedRequest]:
+    """``n`` requests of the workload (None: without end), drawn as they are needed."""
+    rng = random.Random(f"shared-{seed}")
+    arrivals = gamma_offsets(rate, burstiness, random.Random(f"{seed}-arrivals")) if rate else None
+    owned = tenant_groups(shape, tenants)
+    prefixes = {g: group_prefix(g, shape.prefix_len, vocab, seed) for g in range(shape.groups)}
+    weights = [t.share for t in tenants]
+
+    def draw() -> list[int]:
+        return [rng.randrange(*vocab) for _ in range(shape.suffix_len)]
+
+    def answer() -> list[int]:  # stands for the assistant's answer in a session's history
+        return [rng.randrange(*vocab) for _ in range(shape.output_len)]
+
+    index = itertools.count()
+    while True:
+        # One round: a session per draw of (tenant, group); turns > 1 repeat the sessions.
+        sessions = []
+        for _ in range(max(1, shape.groups)):
+            tenant = rng.choices(tenants, weights)[0]
+            sessions.append((tenant, rng.choice(owned[tenant.name]), []))
+        for turn in range(shape.turns):
+            for tenant, group, history in sessions:
+                i = next(index)
+                if n is not None and i >= n:
+                    return
+                user = draw()
+                prompt = prefixes[group] + history + user
+                history.extend(user + answer())
+                yield PlannedRequest(i, prompt, shape.output_len, tenant,
+                                     next(arrivals) if arrivals is not None else None)
+
+
+def shared_prefix_plan(n: int, shape: SharedPrefix, tenants: list[Tenant],
+                       vocab: tuple[int, int], seed: int = 0) -> list[PlannedRequest]:
+    """The first ``n`` requests of :func:`iter_shared_prefix`, as a list."""
+    return list(iter_shared_prefix(n, shape, tenants, vocab, seed))
+
+
+def warmup_requests(shape: SharedPrefix, tenants: list[Tenant], vocab: tuple[int, int],
+                    seed: int = 0) -> list[PlannedRequest]:
+    """One request per group (its prefix and a suffix of its own), as its tenant."""
+    rng = random.Random(f"warmup-{seed}")
+    owner = {g: t for t in tenants for g in tenant_groups(shape, tenants)[t.name]}
+    return [PlannedRequest(g, group_prefix(g, shape.prefix_len, vocab, seed)
+                           + [rng.randrange(*vocab) for _ in range(shape.suffix_len)],
+                           shape.output_len, owner[g], None)
+            for g in range(shape.groups)]
