@@ -202,6 +202,37 @@ def serving_dashboard() -> dict[str, Any]:
                  "{{model}}")], "percentunit", 12, 88,
                f"Streamed requests whose first token came within {TTFT_SLO_S} s of arrival at "
                f"the router (the alert's objective is {TTFT_SLO_TARGET:.0%})."),
+        _panel(25, "Routing decisions by reason",
+               [(f"sum by (model, reason) (rate({_sel('ray_serve_app_routing_decisions_total')}"
+                 f"{rate}))", "{{model}} {{reason}}")], "reqps", 0, 96,
+               "Where the routers sent requests, by why (routing.policy of the model): "
+               "affinity = the replica the tenant's prefix hashes to; load_fallback = that "
+               "replica was past routing.imbalance_margin; cold = prompt under one key block; "
+               "power_of_two = the default policy. Many load_fallback: a hot tenant, or a "
+               "margin too small to keep prefixes together."),
+        _panel(26, "Prefix-cache hit rate per replica",
+               [(f"sum by (model_name, ReplicaId) "
+                 f"(rate({_sel('ray_vllm_prefix_cache_hits_total')}{rate})) / "
+                 f"sum by (model_name, ReplicaId) "
+                 f"(rate({_sel('ray_vllm_prefix_cache_queries_total')}{rate}))",
+                 "{{model_name}} {{ReplicaId}}")], "percentunit", 12, 96,
+               "Share of prompt tokens each engine replica found in its prefix cache (vLLM's "
+               "prefix-cache hits over queries, in tokens). prefix_affinity should raise it "
+               "on workloads whose tenants share long prefixes."),
+        _panel(27, "Load spread between replicas",
+               [(f"max by (model_name) ({_sel('ray_vllm_num_requests_running')} + "
+                 f"{_sel('ray_vllm_num_requests_waiting')}) - min by (model_name) "
+                 f"({_sel('ray_vllm_num_requests_running')} + "
+                 f"{_sel('ray_vllm_num_requests_waiting')})", "{{model_name}}")],
+               "short", 0, 104,
+               "Requests (running + waiting) in the busiest engine replica minus the least "
+               "busy, per model. Affinity routing is bounded by routing.imbalance_margin; a "
+               "spread well above it for long means one hot prefix pins a replica."),
+        _panel(28, "Requests finished per replica",
+               [(f"sum by (model_name, ReplicaId) "
+                 f"(rate({_sel('ray_vllm_request_success_total')}{rate}))",
+                 "{{model_name}} {{ReplicaId}}")], "reqps", 12, 104,
+               "How evenly the routers spread the requests over a model's engine replicas."),
     ]
     return {
         "uid": "serve-app-serving",
