@@ -10,7 +10,7 @@ CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
 .PHONY: install model prometheus observe grafana-files run test test-unit test-integration test-parallel bench bench-agreement \
-	bench-fairness chaos simulate bench-vs-bare bench-flood bench-stream bench-ttft bench-parallel \
+	bench-fairness chaos simulate poll-cost bench-vs-bare bench-flood bench-stream bench-ttft bench-parallel \
 	dashboard-previews cluster-up cluster-down clean
 
 install: $(VENV)/.installed
@@ -113,6 +113,14 @@ chaos: install model
 SIMULATE_ARGS ?= --jobs 2
 simulate: install
 	$(BIN)/serve-app simulate --json bench/out/simulate.json $(SIMULATE_ARGS)
+
+# What the routers' load polls cost on real Serve: 1/4/8 routers x 1-8 engine replicas of the
+# scripted engine on a local Ray, each shape at the default poll period and at 1 s under the
+# same load (about 15 minutes on two cores; bench/RESULTS.md section 27b). Figures in
+# bench/out/poll_cost/{runs.json,summary.md}.
+POLL_COST_ARGS ?=
+poll-cost: install
+	$(BIN)/python -m serve_app.bench.poll_cost $(POLL_COST_ARGS)
 
 # On a GPU machine with the project installed (`pip install -e ".[gpu]"`; the scripts use
 # `python3`, or PYTHON=...): bare vLLM against the stack, both arms from the engine arguments of
