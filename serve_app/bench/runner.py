@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "each with its own prefix of --prefix-len tokens; every request is its "
                    "group's prefix plus a unique suffix of --input-len tokens. The warm-up is "
                    "one request per group (unless --warmup)")
+    p.add_argument("--warmup-only", action="store_true",
+                   help="send the first run's warm-up and stop (nothing measured or written): "
+                   "a script can read the engines' counters between the warm-up and the run, "
+                   "which it then starts with --warmup 0")
     p.add_argument("--prefix-len", type=int, default=1024, metavar="P",
                    help="shared-prefix mode: tokens of each group's prefix")
     p.add_argument("--turns", type=int, default=1,
@@ -101,12 +105,16 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                       else shared_prefix_plan(warm, shape, tenants, vocab, args.seed + 1000 + i))
             if warmup:
                 await run_concurrency(target, warmup, conc)
+            if args.warmup_only:
+                return {}
             reqs = iter_shared_prefix(n, shape, tenants, vocab, seed=args.seed, rate=args.rate,
                                       burstiness=args.burstiness)
         else:
             if warm:
                 await run_concurrency(target, plan(warm, in_len, out_len, tenants, vocab,
                                                    seed=args.seed + 1000 + i), conc)
+            if args.warmup_only:
+                return {}
             reqs = iter_plan(n, in_len, out_len, tenants, vocab, seed=args.seed + i,
                              rate=args.rate, burstiness=args.burstiness)
         label = f"c={conc}" + (f" rate={args.rate}" if args.rate else "")
@@ -189,6 +197,8 @@ async def _batching(args: argparse.Namespace, target: Target, tenants: list[Any]
 
 def main(args: argparse.Namespace) -> int:
     result = asyncio.run(_bench(args))
+    if args.warmup_only:
+        return 0
     paths = report.write(result, Path(args.out))
     print(report.markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Issue 31's A/B on one GPU: two engine replicas at UTIL (0.3) of its memory each, Serve's power
+# of two choices against prefix affinity (routing.policy), on the same workloads, one command.
+# Two Serve replicas on one GPU need two Ray nodes that share the device (as the node-loss test
+# does): tests/integration/local_cluster.py with CLUSTER_GPUS=0,0; the router sits on the head.
+# Workloads (WORKLOADS, each run under every policy of POLICIES):
+#   shared  GROUPS prefix groups of PREFIX tokens over 4 equal tenants, a unique SUFFIX-token
+#           suffix, OUTPUT tokens, CONC streams, NUM requests after one warm-up request per group
+#           (64 x 4096 = 262k tokens: more than one replica's KV cache at 0.3, less than two)
+#   random  random prompts of PREFIX+SUFFIX tokens, no shared prefix (no-regression check)
+#   hot     the shared workload with one tenant sending 70% of the requests
+# A policy change rolls the routers only (the engines and their caches stay), so each arm draws
+# its prefixes with its own seed: no arm finds another's prefixes cached.
+# Per arm: TTFT p50/p99 and output throughput (serve-app bench), prefix-cache hit rate and
+# finished requests per replica (vLLM's counters through Ray's metrics agents, read after the
+# warm-up and after the run), running requests per replica sampled every second.
+# usage: bench/gpu_prefix_affinity.sh [CONFIG]   (env: PYTHON, OUT, UTIL=0.3, POLICIES,
+#   WORKLOADS, GROUPS=64 PREFIX=4096 SUFFIX=256 OUTPUT=128 CONC=32 NUM=256, MARGIN (routing.
+#   imbalance_margin), PREFIX_BLOCKS, BLOCK_TOKENS (routing key), TOKEN_RANGE, GPUS=0,0, CPUS=8)
+# One summary file: $OUT/prefix-affinity.md (the arms' files under $OUT/prefix-affinity/).
+# A CPU dry run with tiny sizes: CONFIG=deployments/local-cpu.yaml GPUS= (two CPU nodes).
+# On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_prefix_affinity.sh`; on your own
+# GPU machine, with the project installed, run it directly. Not yet run on a GPU.
+set -uo pipefail
+. "$(dirname "$0")/arm_lib.sh"
+CONFIG=${1:-${CONFIG:-deployments/gpu-1.yaml}}
+PY=${PYTHON:-python3}
+DEST=${OUT:-bench/out}
+DIR=$DEST/prefix-affinity
+REPORT=$DEST/prefix-affinity.md
+rm -rf "$DIR"; mkdir -p "$DIR"
+T0=$(date +%s)
+GROUPS_N=${GROUPS:-64}; PREFIX=${PREFIX:-4096}; SUFFIX=${SUFFIX:-256}; OUTPUT=${OUTPUT:-128}
+CONC=${CONC:-32}; NUM=${NUM:-256}; PORT=${PORT:-8000}
+ensure_model "$CONFIG"
+MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
+KEYS=()
+for i in 0 1 2 3; do KEYS+=("$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")"); done
+
+# The deployment with two engine replicas at UTIL each (one per Ray node), the router on the head,
+# four tenants (throwaway keys) and the policy given; written as DIR/POLICY.yaml.
+config_for() {  # policy
+  $PY - "$CONFIG" "$1" "${UTIL:-0.3}" "${KEYS[@]}" > "$DIR/$1.yaml" <<'PY'
+import os, sys
+from pathlib import Path
+
+import yaml
+
+from serve_app.config import load_config
+from serve_app.tenancy.keys import key_digest
+
+path, policy, util, *keys = sys.argv[1:]
+cfg = yaml.safe_load(Path(path).read_text())
+model = cfg["models"][0]
+model["path"] = str(load_config(path).models[0].path)  # as it was resolved
+model["autoscaling"] = {"min_replicas": 2, "max_replicas": 2}
+if model.get("device", "gpu") == "gpu":
+    model["engine_kwargs"]["gpu_memory_utilization"] = float(util)
+routing = {"policy": policy}
+for knob, env in (("imbalance_margin", "MARGIN"), ("prefix_blocks", "PREFIX_BLOCKS"),
+                  ("block_tokens", "BLOCK_TOKENS")):
+    if os.environ.get(env):
+        routing[knob] = int(os.environ[env])
+model["routing"] = routing
+cfg.setdefault("router", {}).update(host="127.0.0.1", resources={"head": 0.01})
+cfg["tenants"] = [{"name": f"t{i}", "api_key_sha256": [key_digest(k)]} for i, k in enumerate(keys)]
+print(yaml.safe_dump(cfg, sort_keys=False))
+PY
+}
+
+wait_two() {  # until the app is RUNNING with two engine replicas in the router's view
+  for _ in $(seq 300); do
+    $PY -m serve_app.cli status --address "$ADDRESS" 2>/dev/null | $PY -c "import json, sys; s = json.load(sys.stdin); sys.exit(0 if s['status'] == 'RUNNING' and all(len(v['per_replica']) == 2 for v in s['models'].values()) else 1)" && return 0
+    sleep 2
+  done
+  echo "the app did not reach two running engine replicas"; return 1
+}
+
+bench_args() {  # workload seed: the serve-app bench arguments of one arm
+  local tenants="--tenant t0:${KEYS[0]}:1 --tenant t1:${KEYS[1]}:1 --tenant t2:${KEYS[2]}:1 --tenant t3:${KEYS[3]}:1"
+  [ "$1" = hot ] && tenants="--tenant t0:${KEYS[0]}:0.7 --tenant t1:${KEYS[1]}:0.1 --tenant t2:${KEYS[2]}:0.1 --tenant t3:${KEYS[3]}:0.1"
+  local shape="--prefix-groups $GROUPS_N --prefix-len $PREFIX --input-len $SUFFIX"
+  [ "$1" = random ] && shape="--input-len $((PREFIX + SUFFIX)) --warmup $CONC"
+  echo "--base-url http://127.0.0.1:$PORT --model $MODEL --concurrency $CONC --output-len $OUTPUT \
+--token-range ${TOKEN_RANGE:-1000-20000} --seed $2 --quiet $tenants $shape"
+}
+
+arm() {  # workload policy seed
+  local name="$1--$2" d="$DIR/$1--$2"
+  mkdir -p "$d"
+  echo "-- $name"
+  $PY -m serve_app.cli bench $(bench_args "$1" "$3") --warmup-only > "$d/warmup.log" 2>&1
+  $PY bench/prefix_affinity_report.py scrape "$d/before.json"
+  $PY bench/prefix_affinity_report.py sample "$d/load.jsonl" --address "$ADDRESS" 2> "$d/sample.log" &
+  local sampler=$!
+  $PY -m serve_app.cli bench $(bench_args "$1" "$3") --warmup 0 --num-requests "$NUM" \
+    --label "$name" --out "$d" > "$d/bench.log" 2>&1
+  kill -TERM $sampler; wait $sampler 2>/dev/null
+  $PY bench/prefix_affinity_report.py scrape "$d/after.json"
+  grep -A3 "^## Runs" "$d/summary.md" 2>/dev/null || tail -n 5 "$d/bench.log"
+}
+
+CLUSTER_GPUS=${GPUS-0,0} CLUSTER_CPUS=${CPUS:-8} $PY -m tests.integration.local_cluster serve \
+  < <(sleep 100000) > "$DIR/cluster.json" 2> "$DIR/cluster.log" &
+CLUSTER=$!
+trap 'kill $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null' EXIT
+for _ in $(seq 120); do [ -s "$DIR/cluster.json" ] && break; sleep 1; done
+ADDRESS=$($PY -c "import json; print(json.load(open('$DIR/cluster.json'))['address'])") || {
+  tail -n 30 "$DIR/cluster.log"; exit 1; }
+require_free_port "$PORT" || exit 1
+SEED=100
+for policy in ${POLICIES:-power_of_two prefix_affinity}; do
+  config_for "$policy"
+  # The first deploy starts the engines; a policy change then rolls the routers only.
+  $PY -m serve_app.cli deploy --config "$DIR/$policy.yaml" --address "$ADDRESS" --port "$PORT" \
+    > "$DIR/deploy-$policy.log" 2>&1 || { tail -n 20 "$DIR/deploy-$policy.log"; exit 1; }
+  wait_two || exit 1
+  for workload in ${WORKLOADS:-shared random hot}; do
+    arm "$workload" "$policy" "$SEED"
+    SEED=$((SEED + 1))
+  done
+  $PY -m serve_app.cli status --address "$ADDRESS" > "$DIR/status-$policy.json" 2>&1
+done
+{
+  echo "### Prefix affinity against power of two choices ($MODEL, two replicas on one device)"
+  echo
+  echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%."
+  echo
+  $PY bench/prefix_affinity_report.py table "$DIR"
+  echo "took $(( $(date +%s) - T0 ))s"
+} > "$REPORT"
+cat "$REPORT"

@@ -1,0 +1,179 @@
+"""Helpers of bench/gpu_prefix_affinity.sh: read the engines' counters around a run, sample the
+replicas' load during it, and write the comparison table.
+
+    python bench/prefix_affinity_report.py scrape OUT.json [--sd FILE]
+        vLLM's prefix-cache queries and hits (tokens) and finished requests, per engine replica
+        (label ReplicaId), summed over every Ray metrics agent the service-discovery file names
+    python bench/prefix_affinity_report.py sample OUT.json --address ADDR [--interval-s 1]
+        every interval until SIGTERM/SIGINT: each engine replica's running and waiting requests
+        (serve-app status, the router's engine feed), one sample per line of OUT.json
+    python bench/prefix_affinity_report.py table DIR
+        the markdown summary of every arm under DIR (DIR/ARM/{results.json, before.json,
+        after.json, load.jsonl}), pairs of policies per workload with their ratios
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"  # Ray's default temp dir
+COUNTERS = {"queries": "ray_vllm_prefix_cache_queries_total",
+            "hits": "ray_vllm_prefix_cache_hits_total",
+            "finished": "ray_vllm_request_success_total"}
+_LINE = re.compile(r"^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+|NaN)$")
+_REPLICA = re.compile(r'ReplicaId="([^"]*)"')
+
+
+def parse_counters(text: str) -> dict[str, dict[str, float]]:
+    """ReplicaId -> {queries, hits, finished} from a Prometheus text page (summed over the
+    other labels). Series without a ReplicaId (a bare vLLM) count under ""."""
+    wanted = {name: key for key, name in COUNTERS.items()}
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if not m or m.group(1) not in wanted:
+            continue
+        rid = _REPLICA.search(m.group(2))
+        per = out.setdefault(rid.group(1) if rid else "", dict.fromkeys(COUNTERS, 0.0))
+        per[wanted[m.group(1)]] += float(m.group(3))
+    return out
+
+
+def scrape(out: Path, sd_file: str) -> None:
+    targets = [t for group in json.loads(Path(sd_file).read_text()) for t in group["targets"]]
+    total: dict[str, dict[str, float]] = {}
+    for target in targets:
+        try:
+            text = urllib.request.urlopen(f"http://{target}/metrics", timeout=10).read().decode()
+        except OSError as err:
+            print(f"cannot scrape {target}: {err}", file=sys.stderr)
+            continue
+        for rid, counts in parse_counters(text).items():
+            per = total.setdefault(rid, dict.fromkeys(COUNTERS, 0.0))
+            for k, v in counts.items():
+                per[k] += v
+    out.write_text(json.dumps(total, indent=1))
+
+
+def sample(out: Path, address: str, interval_s: float) -> None:
+    from serve_app.launch import status
+
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    with out.open("w") as f:
+        while not stop["now"]:
+            try:
+                s = status(address=address)
+                row = {m: {r["replica"]: [r["running"], r["waiting"]] for r in v["per_replica"]}
+                       for m, v in s["models"].items()}
+                f.write(json.dumps({"t": time.time(), "models": row}) + "\n")
+                f.flush()
+            except Exception as err:  # a sample missed is not a run lost
+                print(f"status failed: {err}", file=sys.stderr)
+            time.sleep(interval_s)
+
+
+def hit_rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per replica over the run: hit rate, queries, hits and requests finished (after - before)."""
+    out = {}
+    for rid, a in after.items():
+        b = before.get(rid, dict.fromkeys(COUNTERS, 0.0))
+        d = {k: a[k] - b.get(k, 0.0) for k in COUNTERS}
+        d["hit_rate"] = d["hits"] / d["queries"] if d["queries"] else float("nan")
+        out[rid] = d
+    return out
+
+
+def load_balance(lines: list[str]) -> tuple[dict[str, float], float]:
+    """Mean running requests per replica over the samples that saw any work, and the ratio of
+    the busiest replica's mean to the least busy one's (inf when one ran nothing)."""
+    sums: dict[str, float] = {}
+    n = 0
+    for line in lines:
+        row = json.loads(line)
+        for replicas in row["models"].values():
+            if not any(r for r, _ in replicas.values()):
+                continue
+            n += 1
+            for rid, (running, _waiting) in replicas.items():
+                sums[rid] = sums.get(rid, 0.0) + running
+    means = {rid: v / max(n, 1) for rid, v in sums.items()}
+    if len(means) < 2:
+        return means, float("nan")
+    lo, hi = min(means.values()), max(means.values())
+    return means, (hi / lo if lo else float("inf"))
+
+
+def table(root: Path) -> str:
+    rows = ["| workload | policy | TTFT p50 (ms) | TTFT p99 (ms) | out tok/s | hit rate "
+            "(all) | hit rate per replica | requests per replica | mean running per replica "
+            "(max/min) | failed |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by_workload: dict[str, dict[str, dict[str, float]]] = {}
+    for arm in sorted(p for p in root.iterdir() if (p / "results.json").exists()):
+        workload, _, policy = arm.name.partition("--")
+        s = json.loads((arm / "results.json").read_text())["runs"][-1]["summary"]
+        rates = hit_rates(json.loads((arm / "before.json").read_text()),
+                          json.loads((arm / "after.json").read_text()))
+        rates = {rid: d for rid, d in rates.items() if d["queries"] > 0}
+        queries = sum(d["queries"] for d in rates.values())
+        overall = sum(d["hits"] for d in rates.values()) / queries if queries else float("nan")
+        load_file = arm / "load.jsonl"
+        means, ratio = load_balance(load_file.read_text().splitlines()
+                                    if load_file.exists() else [])
+        by_workload.setdefault(workload, {})[policy] = {
+            "ttft": s["ttft_ms"]["median"], "tput": s["output_throughput"], "hit": overall,
+            "ratio": ratio}
+        rows.append(
+            f"| {workload} | {policy} | {s['ttft_ms']['median']:.1f} | "
+            f"{s['ttft_ms']['p99']:.1f} | {s['output_throughput']:.0f} | {overall:.3f} | "
+            + ", ".join(f"{d['hit_rate']:.2f}" for d in rates.values()) + " | "
+            + ", ".join(f"{d['finished']:.0f}" for d in rates.values()) + " | "
+            + ", ".join(f"{v:.1f}" for v in means.values()) + f" ({ratio:.2f}) | "
+            f"{s['failed']} |")
+    rows.append("")
+    for workload, arms in by_workload.items():
+        base, new = arms.get("power_of_two"), arms.get("prefix_affinity")
+        if base and new:
+            rows.append(f"- {workload}: prefix_affinity / power_of_two: TTFT p50 "
+                        f"**{new['ttft'] / base['ttft']:.2f}x**, output throughput "
+                        f"**{new['tput'] / base['tput']:.2f}x**, hit rate {base['hit']:.2f} -> "
+                        f"{new['hit']:.2f}, running max/min {base['ratio']:.2f} -> "
+                        f"{new['ratio']:.2f}")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("scrape")
+    s.add_argument("out", type=Path)
+    s.add_argument("--sd", default=SD_FILE)
+    s = sub.add_parser("sample")
+    s.add_argument("out", type=Path)
+    s.add_argument("--address", default="auto")
+    s.add_argument("--interval-s", type=float, default=1.0)
+    s = sub.add_parser("table")
+    s.add_argument("dir", type=Path)
+    args = p.parse_args()
+    if args.cmd == "scrape":
+        scrape(args.out, args.sd)
+    elif args.cmd == "sample":
+        sample(args.out, args.address, args.interval_s)
+    else:
+        print(table(args.dir), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
