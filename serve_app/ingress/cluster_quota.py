@@ -49,6 +49,9 @@ LEASE_WINDOW_S = 1.0
 LEASE_TTL_S = 2.0
 CHECKPOINT_S = 1.0
 TENANTS_REFRESH_S = 1.0
+# A tenant this replica served within this long has its buckets re-read at every flush; an
+# older view is re-read before the tenant's next request is admitted on it.
+ACTIVE_S = 5.0
 
 
 def actor_name(app_name: str) -> str:
@@ -192,6 +195,7 @@ class _Lease:
     rpm: list[float] | None = None   # [capacity, level, rate] at ``seen``
     tpm: list[float] | None = None
     seen: float = 0.0
+    used: float = 0.0                # when this replica last admitted a request of it
 
 
 class ClusterQuota:
@@ -282,7 +286,9 @@ class ClusterQuota:
             if self.degraded:
                 continue
             charges, returns = self._take_unreported()
-            tenants = [t for t in self._leases if self._limited(t)]
+            now = time.monotonic()
+            tenants = [t for t, lease in self._leases.items()
+                       if self._limited(t) and now - lease.used < ACTIVE_S]
             if not (charges or returns or tenants):
                 continue
             try:
@@ -302,6 +308,7 @@ class ClusterQuota:
         if self.degraded:
             return self.local.admit(tenant)
         lease = self._leases.setdefault(tenant, _Lease())
+        lease.used = time.monotonic()
         if self._fits(lease, limits):
             lease.requests -= bool(limits.requests_per_minute)
             return ADMITTED
@@ -333,6 +340,8 @@ class ClusterQuota:
         if limits.requests_per_minute and lease.requests < 1:
             return False
         if limits.tokens_per_minute:
+            if time.monotonic() - lease.seen > ACTIVE_S:  # others may have spent it since
+                return False
             level = self._level(lease.tpm, lease.seen)
             return level is not None and level - lease.unflushed > 0
         return True
