@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "serve_app"
 CALL_TIMEOUT_S = 1.0
+# A replica's first call waits longer: it may create the actor, whose worker process takes
+# seconds to start on a loaded host (with 1 s every router fell back to its share at start).
+STARTUP_TIMEOUT_S = 30.0
 RETRY_S = 5.0
 FLUSH_S = 0.25
 LEASE_WINDOW_S = 1.0
@@ -213,6 +216,7 @@ class ClusterQuota:
         self._locks: dict[str, asyncio.Lock] = {}
         self._actor: Any = None
         self._down_until = 0.0
+        self._answered = False  # the actor answered this replica at least once
         self._flusher: asyncio.Task[None] | None = None
 
     def update(self, tenants: list[TenantSettings]) -> None:
@@ -235,13 +239,17 @@ class ClusterQuota:
 
     # -- the actor ------------------------------------------------------------------------------
     async def _call(self, method: str, *args: Any) -> Any:
-        """``method`` on the actor within CALL_TIMEOUT_S; on failure the replica falls back to
-        its local share for RETRY_S and the error is raised."""
+        """``method`` on the actor within CALL_TIMEOUT_S (STARTUP_TIMEOUT_S until it first
+        answered this replica); on failure the replica falls back to its local share for
+        RETRY_S and the error is raised."""
         try:
             if self._actor is None:
                 self._actor = await asyncio.to_thread(self._get_actor)
-            return await asyncio.wait_for(getattr(self._actor, method).remote(*args),
-                                          CALL_TIMEOUT_S)
+            answer = await asyncio.wait_for(
+                getattr(self._actor, method).remote(*args),
+                CALL_TIMEOUT_S if self._answered else STARTUP_TIMEOUT_S)
+            self._answered = True
+            return answer
         except Exception:
             if not self.degraded:
                 logger.warning("the cluster quota state did not answer; enforcing this router "

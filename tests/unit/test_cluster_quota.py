@@ -38,6 +38,7 @@ class FakeActor:
         self.state = state
         self.calls = 0
         self.down = False
+        self.delay_s = 0.0
 
     def __getattr__(self, name: str):
         method = getattr(self.state, name)
@@ -50,6 +51,8 @@ class FakeActor:
                 async def run():
                     if outer.down:
                         raise ConnectionError("actor lost")
+                    if outer.calls == 1:  # a fresh actor: its worker starting
+                        await asyncio.sleep(outer.delay_s)
                     return method(*args)
                 return run()
         return Method()
@@ -154,3 +157,22 @@ def test_unlimited_tenants_never_call_the_actor(store):
             assert (await r1.admit("free")).admitted
     asyncio.run(main())
     assert actor.calls == 0 and r1.state("free") is None
+
+
+def test_a_slow_first_answer_is_waited_for_regression_every_router_fell_back_at_start(
+        store, monkeypatch):
+    """A fresh actor's worker takes seconds to start: with the 1 s call bound on the first
+    call too, every router replica fell back to its share (seen: 3 of RPM 6 through one of two
+    routers). Later calls keep the short bound."""
+    monkeypatch.setattr(cluster_quota, "CALL_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(cluster_quota, "STARTUP_TIMEOUT_S", 2.0)
+    tenants = [_tenant(requests_per_minute=6)]
+    actor = FakeActor(QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
+    r1, _ = _routers(tenants, 2, actor)
+
+    async def main():
+        actor.delay_s = 0.2
+        assert [(await r1.admit("a")).admitted for _ in range(6)] == [True] * 6
+        assert not r1.degraded
+        assert not (await r1.admit("a")).admitted  # the whole limit: 6, not a share of 3
+    asyncio.run(main())
