@@ -81,15 +81,14 @@ class BudgetSync:
         self._task: asyncio.Task[None] | None = None
         self._round: asyncio.Future[None] | None = None
 
-    async def ready(self) -> None:
-        """Return once every budgeted tenant's current window has been read (free after that;
-        at most one sync round after a new tenant or window appears)."""
-        if self.book.ready():
-            return
+    async def ready(self, tenant: str) -> None:
+        """Return once ``tenant``'s current budget window has been read (at once for a tenant
+        without a budget; at most one sync round after a new tenant or window appears). The
+        first call starts the background sync."""
         loop = asyncio.get_running_loop()
-        if self._task is None:
+        if self._task is None and self.book.budgeted():
             self._task = loop.create_task(self._run())
-        while not self.book.ready():
+        while not self.book.ready(tenant):
             if self._round is None:
                 self._round = loop.create_future()
             await asyncio.shield(self._round)

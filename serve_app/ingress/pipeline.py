@@ -211,7 +211,7 @@ class RequestPipeline:
                      tenant: Tenant, slot: Slot, progress: Progress) -> Response:
         handle = self.model_handle(req.model, tenant)
         if self.budgets is not None:  # a replica that just started reads the spend first
-            await self.budgets.ready()
+            await self.budgets.ready(tenant.name)
         await self.gate.acquire(tenant)  # quota
         # From here until the response starts, watch the client: one that leaves while its
         # request is queued or in prefill frees its place and the engine at once.

@@ -162,7 +162,11 @@ class BudgetBook:
         for tenant in self.windows():
             self._spend[tenant].read = True
 
-    def ready(self) -> bool:
-        """Whether every budgeted tenant's current window has been read from the store (a
-        replica that just started must not admit a spent tenant before it knows)."""
+    def ready(self, tenant: str | None = None) -> bool:
+        """Whether ``tenant``'s current window (every budgeted tenant's, without one) has been
+        read from the store: a replica that just started must not admit a spent tenant before
+        it knows. True for a tenant without a budget."""
+        if tenant is not None:
+            spend = self._current(tenant)
+            return spend is None or spend.read
         return all(self._spend[t].read for t in self.windows())

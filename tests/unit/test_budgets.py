@@ -99,7 +99,7 @@ def test_records_of_every_router_replica_add_up_and_survive_a_restart(monkeypatc
         fresh = BudgetBook(tenants, clock=clock)
         assert not fresh.ready() and fresh.check("a") is None
         sync = BudgetSync(fresh, "llm", "r3")
-        await asyncio.wait_for(sync.ready(), 5)
+        await asyncio.wait_for(sync.ready("a"), 5)
         assert fresh.spent("a") == 210 and fresh.check("a") is not None
         sync._task.cancel()
     asyncio.run(main())
@@ -119,7 +119,7 @@ def test_an_unreachable_store_fails_open_on_what_the_replica_knows(monkeypatch):
 
     async def main() -> None:
         sync = BudgetSync(book, "llm", "r1")
-        await asyncio.wait_for(sync.ready(), 5)  # does not hang
+        await asyncio.wait_for(sync.ready("a"), 5)  # does not hang
         sync._task.cancel()
     asyncio.run(main())
     book.charge("a", 300)
@@ -141,3 +141,19 @@ def test_the_gate_answers_a_spent_budget_with_insufficient_quota():
     assert err.value.status_code == 429
     assert body["type"] == "insufficient_quota" and body["code"] == "insufficient_quota"
     assert int(err.value.headers["Retry-After"]) >= 1
+
+
+def test_a_tenant_without_a_budget_never_waits_for_the_store(monkeypatch):
+    def hangs(*_: object) -> None:
+        import time
+        time.sleep(5)
+
+    monkeypatch.setattr(budgets_mod, "kv_list", hangs)
+    book = BudgetBook([_tenant("a", tokens=200), _tenant("free", tokens=None)])
+
+    async def main() -> None:
+        sync = BudgetSync(book, "llm", "r1")
+        await asyncio.wait_for(sync.ready("free"), 1)
+        assert not book.ready("a")
+        sync._task.cancel()
+    asyncio.run(main())
