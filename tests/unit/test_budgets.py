@@ -146,7 +146,7 @@ def test_the_gate_answers_a_spent_budget_with_insufficient_quota():
 def test_a_tenant_without_a_budget_never_waits_for_the_store(monkeypatch):
     def hangs(*_: object) -> None:
         import time
-        time.sleep(5)
+        time.sleep(1.5)
 
     monkeypatch.setattr(budgets_mod, "kv_list", hangs)
     book = BudgetBook([_tenant("a", tokens=200), _tenant("free", tokens=None)])
