@@ -91,7 +91,8 @@ METRICS: dict[str, Metric] = {
                "(the replica its tenant and prefix hash to), load_fallback (that replica was "
                "busier than the least-loaded by more than routing.imbalance_margin), cold "
                "(prompt under one key block: spread by power of two), power_of_two (the "
-               "power_of_two policy)."),
+               "power_of_two policy). Counted per routing attempt: a request Serve routes "
+               "again because every replica refused it counts again."),
         Metric("ray_vllm_prefix_cache_queries_total", "counter", "vllm",
                "Prompt tokens the engine looked up in its prefix cache."),
         Metric("ray_vllm_prefix_cache_hits_total", "counter", "vllm",
