@@ -4,17 +4,22 @@
    (:meth:`serve_app.ingress.live_config.LiveTenants.authenticate`; 401);
 2. **read**: a bounded body, validated into its OpenAI model (:mod:`serve_app.ingress.http`;
    400/413), and the model resolved for the tenant (404);
-3. **quota**: the tenant's rate and token limits (:meth:`TenantGate.admit`; 429 + Retry-After);
-4. **admit**: a place in the model's in-flight limit, waiting in the fair queue while there is
-   none (:mod:`serve_app.admission`; 429 when the band's queue is full, 503 when no replica
-   came up in time);
+3. **quota**: the tenant's token budget and its rate and token limits, the latter for the whole
+   app through the quota actor's leases (:meth:`TenantGate.acquire`; 429 + Retry-After,
+   ``insufficient_quota`` for a spent budget);
+4. **admit**: a place in the model's in-flight limit and under the tenant's concurrency cap,
+   waiting in the fair queue while there is none (:mod:`serve_app.admission`; 429 when the
+   band's queue is full, 503 when no replica came up in time);
 5. **dispatch**: one Serve call to the LLMServer deployment, whose request router picks the
    replica; the first chunk is awaited before the HTTP response starts, so errors the engine
    finds (context too long, bad token ids) are real 4xx status codes, not errors inside a 200;
 6. **stream**: SSE events (later chunks through the output channels,
    :mod:`serve_app.ingress.channels`) or one JSON body;
 7. **finish**: once, however the request ended (completed, failed, client gone): the engine
-   work is cancelled if unfinished, the admission place freed, the tenant charged its tokens.
+   work is cancelled if unfinished, the admission place freed, the tenant charged its tokens,
+   and its usage record written.
+
+Every answer after authentication carries the tenant's ``x-ratelimit-*`` headers.
 
 A client that goes away at any point, queued, in prefill or streaming, cancels its request and
 the engine's work with it.
