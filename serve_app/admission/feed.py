@@ -13,8 +13,10 @@ the slow one's timeout: views fell from 48 to 15 a second, bench/RESULTS.md 27) 
 own work out of the count. A model with no replica has an empty view: its
 requests wait in the fair queue, one goes through to wake Serve's autoscaler
 (:data:`~serve_app.admission.policy.COLD_START_PROBE`), and after ``cold_start_timeout_s``
-they are answered 503. The poll runs every ``poll_interval_s`` while the model has requests in
-flight, at once when requests start to queue, and every ``idle_poll_interval_s`` otherwise.
+they are answered 503. The poll runs every :meth:`EngineFeed.busy_period` while the model has
+requests in flight (``poll_interval_s``, longer with many routers so that each replica answers
+at most ``engine_polls_per_s`` polls a second), at once when requests start to queue, and
+every ``idle_poll_interval_s`` otherwise.
 Nothing here is on the per-token path: requests are admitted and released by the admission
 controller as they arrive and end; the feed only moves the limit and the view.
 """
@@ -95,6 +97,14 @@ class EngineFeed:
         return self.view_of([r for r in results if isinstance(r, EngineLoad)], late,
                             time.monotonic())
 
+    def busy_period(self) -> float:
+        """The poll period while the model has work: ``poll_interval_s``, or longer when the
+        routers that reported to the replicas (the last view's demands) would together poll
+        each replica more than ``engine_polls_per_s`` times a second. Admission itself does
+        not wait for a poll: a finished request frees its place at once."""
+        routers = max((len(r.router_demand) for r in self.replicas[:1]), default=1)
+        return max(self.settings.poll_interval_s, routers / self.settings.engine_polls_per_s)
+
     def view_of(self, answers: list[EngineLoad], late: int, now: float) -> list[EngineLoad]:
         """The view from one poll at ``now``: every replica that answered, then the last answer
         of up to ``late`` replicas that were in the view, did not answer this time and did
@@ -135,7 +145,7 @@ class EngineFeed:
                     self.admission.expire_waiting(self.settings.cold_start_timeout_s)
                 a = self.admission
                 if a.in_flight or len(a.queue):
-                    await asyncio.sleep(self.settings.poll_interval_s)
+                    await asyncio.sleep(self.busy_period())
                 else:  # idle: wake on the next queue (a burst) or the idle timer
                     try:
                         await asyncio.wait_for(a.blocked.wait(),

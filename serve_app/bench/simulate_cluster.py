@@ -120,7 +120,7 @@ class SimCluster:
             router.apply_s += time.process_time() - started
             router.applies += 1
             if a.in_flight or len(a.queue):
-                await asyncio.sleep(s.poll_interval_s)
+                await asyncio.sleep(router.feed.busy_period())
             else:
                 try:
                     await asyncio.wait_for(a.blocked.wait(), s.idle_poll_interval_s)

@@ -250,3 +250,14 @@ def test_demands_are_read_from_a_few_replicas_regression_apply_grew_as_routers_x
     reps = [_load(f"x{i}", demand=(("r2", 10), ("r3", 20))) for i in range(DEMAND_SAMPLE)]
     reps.append(_load("late", demand=(("r2", 999),)))
     assert router_demands(reps, "r1", 5) == {"r1": 5, "r2": 10, "r3": 20}
+
+
+def test_the_busy_poll_slows_with_the_routers_so_each_replica_answers_a_bounded_rate(feed):
+    """Each poll costs a replica about 1.5 ms of CPU in Serve's call path (RESULTS 27b): with N
+    routers the busy period is max(poll_interval_s, N / engine_polls_per_s)."""
+    f, _ = feed([])
+    assert f.busy_period() == AdmissionSettings().poll_interval_s  # no view yet: one router
+    f.replicas = [_load("a", demand=(("r1", 3),))]
+    assert f.busy_period() == AdmissionSettings().poll_interval_s
+    f.replicas = [_load("a", demand=tuple((f"r{i}", 3) for i in range(8)))]
+    assert f.busy_period() == pytest.approx(8 / AdmissionSettings().engine_polls_per_s)
