@@ -44,6 +44,11 @@ POLL_TIMEOUT_S = 2.0  # a replica silent this long is not live for admission
 # Answers wait together this long; a replica's engine_load is a few integers from its event
 # loop (about a millisecond), so only a stuck or overloaded replica misses it.
 ANSWER_DEADLINE_S = 0.25
+# The busy poll period never grows past this: the simulation (bench/RESULTS.md 27b) holds every
+# admission bar at 8 x 32 with 0.25 s views and misses two at 0.5 s. Beyond ~12 routers per
+# model a replica then answers more than engine_polls_per_s; pushing the load on the output
+# channels is the way past that (27b).
+BUSY_PERIOD_CAP_S = 0.25
 
 
 class EngineFeed:
@@ -98,12 +103,14 @@ class EngineFeed:
                             time.monotonic())
 
     def busy_period(self) -> float:
-        """The poll period while the model has work: ``poll_interval_s``, or longer when the
-        routers that reported to the replicas (the last view's demands) would together poll
-        each replica more than ``engine_polls_per_s`` times a second. Admission itself does
+        """The poll period while the model has work: ``poll_interval_s``, or longer (up to
+        ``BUSY_PERIOD_CAP_S``) when the routers that reported to the replicas (the last view's
+        demands) would together poll each replica more than ``engine_polls_per_s`` times a
+        second. Admission itself does
         not wait for a poll: a finished request frees its place at once."""
         routers = max((len(r.router_demand) for r in self.replicas[:1]), default=1)
-        return max(self.settings.poll_interval_s, routers / self.settings.engine_polls_per_s)
+        return max(self.settings.poll_interval_s,
+                   min(BUSY_PERIOD_CAP_S, routers / self.settings.engine_polls_per_s))
 
     def view_of(self, answers: list[EngineLoad], late: int, now: float) -> list[EngineLoad]:
         """The view from one poll at ``now``: every replica that answered, then the last answer

@@ -42,7 +42,7 @@ class AdmissionSettings(_Strict):
     engine_polls_per_s: float = Field(
         50.0, gt=0, description="At most this many load polls a second reach each engine "
         "replica, over all router replicas: with N routers each polls every "
-        "max(poll_interval_s, N / engine_polls_per_s). A poll costs the replica's process "
+        "max(poll_interval_s, N / engine_polls_per_s), at most every 0.25 s. A poll costs the replica's process "
         "about 1.5 ms of CPU in Serve's call path (bench/RESULTS.md 27b), beside vLLM's output "
         "handling on the same event loop.",
     )

@@ -13,7 +13,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from serve_app.admission import COLD_START_PROBE, capacity_policy
 from serve_app.admission import feed as feed_module
 from serve_app.admission.controller import AdmissionController, Slot
-from serve_app.admission.feed import POLL_TIMEOUT_S, EngineFeed
+from serve_app.admission.feed import BUSY_PERIOD_CAP_S, POLL_TIMEOUT_S, EngineFeed
 from serve_app.admission.share import DEMAND_SAMPLE, router_demands, router_share, water_fill
 from serve_app.config import AdmissionSettings
 from serve_app.engine.protocol import EngineLoad
@@ -261,3 +261,5 @@ def test_the_busy_poll_slows_with_the_routers_so_each_replica_answers_a_bounded_
     assert f.busy_period() == AdmissionSettings().poll_interval_s
     f.replicas = [_load("a", demand=tuple((f"r{i}", 3) for i in range(8)))]
     assert f.busy_period() == pytest.approx(8 / AdmissionSettings().engine_polls_per_s)
+    f.replicas = [_load("a", demand=tuple((f"r{i}", 3) for i in range(64)))]
+    assert f.busy_period() == BUSY_PERIOD_CAP_S  # views no staler than the simulation allows
