@@ -44,11 +44,12 @@ POLL_TIMEOUT_S = 2.0  # a replica silent this long is not live for admission
 # Answers wait together this long; a replica's engine_load is a few integers from its event
 # loop (about a millisecond), so only a stuck or overloaded replica misses it.
 ANSWER_DEADLINE_S = 0.25
-# The busy poll period never grows past this: the simulation (bench/RESULTS.md 27b) holds every
-# admission bar at 8 x 32 with 0.25 s views and misses two at 0.5 s. Beyond ~12 routers per
-# model a replica then answers more than engine_polls_per_s; pushing the load on the output
-# channels is the way past that (27b).
-BUSY_PERIOD_CAP_S = 0.25
+# The busy poll period never grows past this: the simulation (bench/RESULTS.md 27d) holds every
+# admission bar at 8 x 32 and 64 x 256 with 0.1 s views; at 0.25 s, 64 x 256 let the engines'
+# waiting pass the headroom and a scale-up's worst second fall to 94%. Beyond 5 routers per
+# model a replica then answers more than engine_polls_per_s (64 routers: about 0.9 of a core,
+# 27b); pushing the load on the output channels is the way past that.
+BUSY_PERIOD_CAP_S = 0.1
 
 
 class EngineFeed:

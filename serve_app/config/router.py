@@ -42,9 +42,10 @@ class AdmissionSettings(_Strict):
     engine_polls_per_s: float = Field(
         50.0, gt=0, description="At most this many load polls a second reach each engine "
         "replica, over all router replicas: with N routers each polls every "
-        "max(poll_interval_s, N / engine_polls_per_s), at most every 0.25 s. A poll costs the replica's process "
-        "about 1.5 ms of CPU in Serve's call path (bench/RESULTS.md 27b), beside vLLM's output "
-        "handling on the same event loop.",
+        "max(poll_interval_s, N / engine_polls_per_s), and at least every 0.1 s (fresher "
+        "views matter more past 5 routers). A poll costs the replica's process about 1.5 ms "
+        "of CPU in Serve's call path (bench/RESULTS.md 27b), beside vLLM's output handling on "
+        "the same event loop.",
     )
     cold_start_timeout_s: float = Field(
         600.0, gt=0, description="A request waiting while its model has no live replica gets "
