@@ -68,6 +68,8 @@ def _quantiles(name: str, by: str = "") -> list[tuple[str, str]]:
 def serving_dashboard() -> dict[str, Any]:
     """The serving path: requests, errors, TTFT, tokens/s, engine running/waiting, tenants."""
     rate = "[$__rate_interval]"
+    hits_rate = f"rate({_sel('ray_vllm_prefix_cache_hits_total')}{rate})"
+    queries_rate = f"rate({_sel('ray_vllm_prefix_cache_queries_total')}{rate})"
     panels = [
         _panel(1, "Requests per second by status code",
                [(f"sum by (status_code) (rate({_sel('ray_serve_num_http_requests_total')}"
@@ -211,13 +213,13 @@ def serving_dashboard() -> dict[str, Any]:
                "power_of_two = the default policy. Many load_fallback: a hot tenant, or a "
                "margin too small to keep prefixes together."),
         _panel(26, "Prefix-cache hit rate per replica",
-               [(f"sum by (model_name, ReplicaId) "
-                 f"(rate({_sel('ray_vllm_prefix_cache_hits_total')}{rate})) / "
-                 f"sum by (model_name, ReplicaId) "
-                 f"(rate({_sel('ray_vllm_prefix_cache_queries_total')}{rate}))",
+               [(f"(sum by (model_name, ReplicaId) ({hits_rate}) or "
+                 f"sum by (model_name, ReplicaId) ({queries_rate}) * 0) / "
+                 f"sum by (model_name, ReplicaId) ({queries_rate})",
                  "{{model_name}} {{ReplicaId}}")], "percentunit", 12, 96,
                "Share of prompt tokens each engine replica found in its prefix cache (vLLM's "
-               "prefix-cache hits over queries, in tokens). prefix_affinity should raise it "
+               "prefix-cache hits over queries, in tokens; 0 until a replica's first hit, "
+               "before which vLLM exports no hit counter). prefix_affinity should raise it "
                "on workloads whose tenants share long prefixes."),
         _panel(27, "Load spread between replicas",
                [(f"max by (model_name) ({_sel('ray_vllm_num_requests_running')} + "
