@@ -68,9 +68,10 @@ print(yaml.safe_dump(cfg, sort_keys=False))
 PY
 }
 
-wait_two() {  # until the app is RUNNING with two engine replicas in the router's view
+wait_two() {  # until the app is RUNNING, every replica RUNNING and two of the engines (the
+  # routers' views of the engines start with their first request: not a sign of readiness)
   for _ in $(seq 300); do
-    $PY -m serve_app.cli status --address "$ADDRESS" 2>/dev/null | $PY -c "import json, sys; s = json.load(sys.stdin); sys.exit(0 if s['status'] == 'RUNNING' and all(len(v['per_replica']) == 2 for v in s['models'].values()) else 1)" && return 0
+    $PY -m serve_app.cli status --address "$ADDRESS" 2>/dev/null | $PY -c "import json, sys; s = json.load(sys.stdin); sys.exit(0 if s['status'] == 'RUNNING' and all(set(d) == {'RUNNING'} and (not k.startswith('LLMServer') or d['RUNNING'] == 2) for k, d in s['deployments'].items()) else 1)" && return 0
     sleep 2
   done
   echo "the app did not reach two running engine replicas"; return 1
