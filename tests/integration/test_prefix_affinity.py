@@ -1,12 +1,17 @@
-"""Prefix-affinity routing on real vLLM CPU engines: two replicas of the tiny model behind the
-real router, HAProxy and Serve, the model's ``routing.policy: prefix_affinity``.
+"""Prefix-affinity routing on real vLLM CPU engines: two replicas of the tiny model behind two
+router replicas (HAProxy spreads the requests over them) and Serve, the model's
+``routing.policy: prefix_affinity``.
 
 A tenant's requests that share a prefix land on one replica, the one rendezvous hashing of
-(tenant salt, prefix) names; another tenant sending the same prompt lands on its own replica,
-which can be the other one. Which replica served a request is read from the replicas' request
-counters (``requests_total``, as `serve-app status` shows them), one request at a time."""
+(tenant salt, prefix) names, whichever router takes them; another tenant sending the same
+prompt lands on its own replica, which can be the other one; a tenant that floods its replica
+spills to the other. Which replica served a request is read from the replicas' request counters
+(``requests_total``, as `serve-app status` shows them), one request at a time."""
 
 from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -28,6 +33,8 @@ KEYER = PrefixKeyer(block_tokens=16, prefix_blocks=4, chars_per_token=4)
 # Tenants of the shared stack without limits (and without usage records other tests count).
 TENANTS = ("team-a", "team-b", "team-c")
 PER_TENANT = 6
+MARGIN = 2  # routing.imbalance_margin
+FEED_POLL_S = 0.05  # the routers' engine-feed poll period, busy or idle
 
 
 def _system_prompt(n: int) -> str:
@@ -49,28 +56,55 @@ def affinity(stack):
         autoscaling=AutoscalingSettings(min_replicas=2, max_replicas=2),
         routing=RoutingSettings(policy="prefix_affinity", block_tokens=KEYER.block_tokens,
                                 prefix_blocks=KEYER.prefix_blocks,
-                                chars_per_token=KEYER.chars_per_token))
-    serve.run(build_app(stack["config"].model_copy(update={"models": [model]})),
-              name=APP, route_prefix=PREFIX, blocking=False)
+                                chars_per_token=KEYER.chars_per_token,
+                                imbalance_margin=MARGIN))
+    cfg = stack["config"]
+    # Two routers: each computes the same replica for a key, with no state shared. Their engine
+    # feeds poll fast while idle too, so a view of the replicas' counts is never old for long.
+    routers = cfg.router.model_copy(update={"num_replicas": 2, "admission": (
+        cfg.router.admission.model_copy(update={"idle_poll_interval_s": FEED_POLL_S}))})
+    cfg = cfg.model_copy(update={"models": [model], "router": routers})
+    serve.run(build_app(cfg), name=APP, route_prefix=PREFIX, blocking=False)
     router = serve.get_deployment_handle("Router", app_name=APP)
 
     def replicas() -> dict[str, int]:
-        """Replica id -> requests it has taken, as the router's engine feed last saw them."""
+        """Replica id -> requests it has taken, as one router's engine feed last saw them ({}
+        from a router whose feed has not started: it starts with the router's first request)."""
         state = router.admission_state.remote().result(timeout_s=30)[MODEL]
         return {r["replica"]: r["requests_total"] for r in state["per_replica"]}
 
+    def post(tenant: str, **body: object) -> httpx.Response:
+        return httpx.post(f"{stack['base']}{PREFIX}/v1/{'chat/' if 'messages' in body else ''}"
+                          "completions", timeout=120,
+                          headers={"Authorization": f"Bearer {stack['keys'][tenant]}"},
+                          json={"model": MODEL, "max_tokens": 2, **body})
+
+    def settled(total: int) -> dict[str, int]:
+        """The counts once a router's view holds ``total`` requests (the two routers poll on
+        their own; a view that lags is waited out, never compared)."""
+        return wait_until(lambda: (x := replicas()) and sum(x.values()) == total and x, 30)
+
+    counts: list[dict[str, int]] = []
+
     def send(tenant: str, **body: object) -> str:
         """Send one request as ``tenant``; the id of the replica that took it."""
-        before = replicas()
-        r = httpx.post(f"{stack['base']}{PREFIX}/v1/{'chat/' if 'messages' in body else ''}"
-                       "completions", timeout=120,
-                       headers={"Authorization": f"Bearer {stack['keys'][tenant]}"},
-                       json={"model": MODEL, "max_tokens": 2, **body})
+        before = counts[-1]
+        r = post(tenant, **body)
         assert r.status_code == 200, r.text
-        after = wait_until(lambda: (x := replicas()) and sum(x.values()) > sum(
-            before.values()) and x, 30)
+        after = settled(sum(before.values()) + 1)
+        counts.append(after)
         (served,) = [rid for rid, n in after.items() if n > before.get(rid, 0)]
         return served
+
+    def flood(tenant: str, n: int, **body: object) -> dict[str, int]:
+        """``n`` requests of ``tenant`` at once; the requests each replica took."""
+        before = counts[-1]
+        with ThreadPoolExecutor(n) as pool:
+            statuses = list(pool.map(lambda _: post(tenant, **body).status_code, range(n)))
+        assert statuses == [200] * n
+        after = settled(sum(before.values()) + n)
+        counts.append(after)
+        return {rid: after[rid] - before.get(rid, 0) for rid in after}
 
     last: list[object] = []
 
@@ -90,7 +124,19 @@ def affinity(stack):
         wait_until(ready, 240, 0.5)
     except AssertionError:
         raise AssertionError(f"the two-replica app is not ready: {last}") from None
-    yield {"send": send, "replicas": replicas}
+    def agreed() -> dict[str, int] | None:
+        # Reads (each from either router) that agree over several feed polls: no request is
+        # in flight, and both routers' views are current. (Reads within one poll period agreed
+        # on a view both routers had not refreshed yet.)
+        # A router that has served nothing yet has no view ({}): it has nothing old either.
+        start, views = time.monotonic(), [replicas()]
+        while time.monotonic() - start < 6 * FEED_POLL_S:
+            views.append(replicas())
+        views = [v for v in views if v]
+        return views[0] if len(views) > 3 and all(v == views[0] for v in views) else None
+
+    counts.append(wait_until(agreed, 30))
+    yield {"send": send, "flood": flood, "replicas": replicas}
     serve.delete(APP)
 
 
@@ -126,3 +172,15 @@ def test_another_tenant_with_the_same_prompt_goes_where_its_own_salt_says(affini
               for t in TENANTS}
     assert served == {t: {_predicted(t, ids, prompt=prompt)} for t in TENANTS}
     assert len(set().union(*served.values())) == 2
+
+
+def test_a_tenant_that_floods_its_replica_spills_to_the_other(affinity):
+    """Bounded load: once the key's replica holds more than the margin above the other, the
+    rest go to the other replica, and the key's replica still takes the most."""
+    ids = sorted(affinity["replicas"]())
+    prompt = _system_prompt(50)
+    home = _predicted("team-c", ids, prompt=prompt)
+    taken = affinity["flood"]("team-c", 12, prompt=prompt, max_tokens=96, ignore_eos=True)
+    other = next(rid for rid in ids if rid != home)
+    assert taken[other] >= 1, taken
+    assert taken[home] > taken[other], taken
