@@ -86,18 +86,22 @@ bench_args() {  # workload seed: the serve-app bench arguments of one arm
 --token-range ${TOKEN_RANGE:-1000-20000} --seed $2 --quiet $tenants $shape"
 }
 
+FINISHED=0  # requests the engines have finished since they started (every arm's, in order)
 arm() {  # workload policy seed
-  local name="$1--$2" d="$DIR/$1--$2"
+  local name="$1--$2" d="$DIR/$1--$2" warm=$GROUPS_N
+  [ "$1" = random ] && warm=$CONC
   mkdir -p "$d"
   echo "-- $name"
   $PY -m serve_app.cli bench $(bench_args "$1" "$3") --warmup-only > "$d/warmup.log" 2>&1
-  $PY bench/prefix_affinity_report.py scrape "$d/before.json"
+  FINISHED=$((FINISHED + warm))
+  $PY bench/prefix_affinity_report.py scrape "$d/before.json" --min-finished $FINISHED
   $PY bench/prefix_affinity_report.py sample "$d/load.jsonl" --address "$ADDRESS" 2> "$d/sample.log" &
   local sampler=$!
   $PY -m serve_app.cli bench $(bench_args "$1" "$3") --warmup 0 --num-requests "$NUM" \
     --label "$name" --out "$d" > "$d/bench.log" 2>&1
   kill -TERM $sampler; wait $sampler 2>/dev/null
-  $PY bench/prefix_affinity_report.py scrape "$d/after.json"
+  FINISHED=$((FINISHED + NUM))
+  $PY bench/prefix_affinity_report.py scrape "$d/after.json" --min-finished $FINISHED
   grep -A3 "^## Runs" "$d/summary.md" 2>/dev/null || tail -n 5 "$d/bench.log"
 }
 

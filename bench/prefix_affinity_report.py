@@ -1,9 +1,12 @@
 """Helpers of bench/gpu_prefix_affinity.sh: read the engines' counters around a run, sample the
 replicas' load during it, and write the comparison table.
 
-    python bench/prefix_affinity_report.py scrape OUT.json [--sd FILE]
+    python bench/prefix_affinity_report.py scrape OUT.json [--sd FILE] [--min-finished N]
         vLLM's prefix-cache queries and hits (tokens) and finished requests, per engine replica
-        (label ReplicaId), summed over every Ray metrics agent the service-discovery file names
+        (label ReplicaId), summed over every Ray metrics agent the service-discovery file names;
+        with --min-finished, read again until the replicas have finished N requests in all
+        (Ray's agents export what the engines counted seconds ago: read at once, the last
+        requests of a run were missing)
     python bench/prefix_affinity_report.py sample OUT.json --address ADDR [--interval-s 1]
         every interval until SIGTERM/SIGINT: each engine replica's running and waiting requests
         (serve-app status, the router's engine feed), one sample per line of OUT.json
@@ -47,7 +50,22 @@ def parse_counters(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def scrape(out: Path, sd_file: str) -> None:
+def scrape(out: Path, sd_file: str, min_finished: float = 0, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total = read_counters(sd_file)
+        finished = sum(c["finished"] for c in total.values())
+        if finished >= min_finished or time.monotonic() > deadline:
+            break
+        time.sleep(2)  # Ray's agents export on their own period (seconds)
+    if finished < min_finished:
+        print(f"{out}: {finished:.0f} requests finished, expected {min_finished:.0f}; "
+              "written as read", file=sys.stderr)
+    out.write_text(json.dumps(total, indent=1))
+
+
+def read_counters(sd_file: str) -> dict[str, dict[str, float]]:
+    """The counters of every metrics agent, per replica (one read)."""
     targets = [t for group in json.loads(Path(sd_file).read_text()) for t in group["targets"]]
     total: dict[str, dict[str, float]] = {}
     for target in targets:
@@ -60,19 +78,24 @@ def scrape(out: Path, sd_file: str) -> None:
             per = total.setdefault(rid, dict.fromkeys(COUNTERS, 0.0))
             for k, v in counts.items():
                 per[k] += v
-    out.write_text(json.dumps(total, indent=1))
+    return total
 
 
 def sample(out: Path, address: str, interval_s: float) -> None:
     from serve_app.launch import status
 
     stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+
+    def on_signal(*_: object) -> None:
+        stop["now"] = True
+
     with out.open("w") as f:
         while not stop["now"]:
             try:
                 s = status(address=address)
+                # ray.init (in the first status call) puts its own handlers in place.
+                signal.signal(signal.SIGTERM, on_signal)
+                signal.signal(signal.SIGINT, on_signal)
                 row = {m: {r["replica"]: [r["running"], r["waiting"]] for r in v["per_replica"]}
                        for m, v in s["models"].items()}
                 f.write(json.dumps({"t": time.time(), "models": row}) + "\n")
@@ -159,15 +182,16 @@ def main() -> int:
     s = sub.add_parser("scrape")
     s.add_argument("out", type=Path)
     s.add_argument("--sd", default=SD_FILE)
+    s.add_argument("--min-finished", type=float, default=0)
     s = sub.add_parser("sample")
     s.add_argument("out", type=Path)
     s.add_argument("--address", default="auto")
-    s.add_argument("--interval-s", type=float, default=1.0)
+    s.add_argument("--interval-s", type=float, default=0.5)
     s = sub.add_parser("table")
     s.add_argument("dir", type=Path)
     args = p.parse_args()
     if args.cmd == "scrape":
-        scrape(args.out, args.sd)
+        scrape(args.out, args.sd, args.min_finished)
     elif args.cmd == "sample":
         sample(args.out, args.address, args.interval_s)
     else:
