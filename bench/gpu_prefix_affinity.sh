@@ -105,10 +105,15 @@ arm() {  # workload policy seed
   grep -A3 "^## Runs" "$d/summary.md" 2>/dev/null || tail -n 5 "$d/bench.log"
 }
 
+# The cluster runs until its stdin closes, then shuts its nodes down: its stdin is a fifo whose
+# only writer is this script (a `sleep` holding it open outlived the script, and with it
+# whatever file the script had open, such as a lock).
+mkfifo "$DIR/cluster.stdin"
 CLUSTER_GPUS=${GPUS-0,0} CLUSTER_CPUS=${CPUS:-8} $PY -m tests.integration.local_cluster serve \
-  < <(sleep 100000) > "$DIR/cluster.json" 2> "$DIR/cluster.log" &
+  < "$DIR/cluster.stdin" > "$DIR/cluster.json" 2> "$DIR/cluster.log" &
 CLUSTER=$!
-trap 'kill $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null' EXIT
+exec {HOLD}> "$DIR/cluster.stdin"
+trap 'exec {HOLD}>&-; for _ in $(seq 120); do kill -0 $CLUSTER 2>/dev/null || break; sleep 1; done; kill $CLUSTER 2>/dev/null' EXIT
 for _ in $(seq 120); do [ -s "$DIR/cluster.json" ] && break; sleep 1; done
 ADDRESS=$($PY -c "import json; print(json.load(open('$DIR/cluster.json'))['address'])") || {
   tail -n 30 "$DIR/cluster.log"; exit 1; }
