@@ -165,7 +165,8 @@ class QuotaState:
               returns: dict[str, int]) -> dict[str, Any]:
         """Take up to ``want`` requests of ``tenant`` (at least one if any is free): the answer
         says how many were ``granted``; with none, ``retry_after_s``, ``limit`` and
-        ``message`` of the refusal; and ``snapshot``, every tenant's buckets after it."""
+        ``message`` of the refusal; and ``snapshot``, the buckets of ``tenant`` and of every
+        tenant charged, after it."""
         self._apply(charges, returns)
         granted, refusal = 0, ADMITTED
         while granted < want:
@@ -177,7 +178,7 @@ class QuotaState:
         self._checkpoint()
         return {"granted": granted, "retry_after_s": refusal.retry_after_s,
                 "limit": refusal.limit, "message": refusal.message,
-                "snapshot": {tenant: _snapshot(self.book, tenant)}}
+                "snapshot": {t: _snapshot(self.book, t) for t in {tenant, *charges}}}
 
     def report(self, charges: dict[str, int], returns: dict[str, int],
                tenants: list[str]) -> dict[str, Any]:
@@ -195,6 +196,7 @@ class _Lease:
     requests: int = 0
     granted_at: float = 0.0
     unflushed: int = 0
+    sending: int = 0                 # reported, the answer not back yet: still counted here
     rpm: list[float] | None = None   # [capacity, level, rate] at ``seen``
     tpm: list[float] | None = None
     seen: float = 0.0
@@ -268,19 +270,26 @@ class ClusterQuota:
             lifetime="detached", num_cpus=0, max_restarts=-1).remote(self.app_name, tenants)
 
     def _take_unreported(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Charges not reported yet, and leases past their TTL (given back); both cleared."""
+        """Charges not reported yet (now being sent: they still count here until the answer,
+        which includes them, is seen), and leases past their TTL (given back)."""
         now = time.monotonic()
         charges, returns = {}, {}
         for tenant, lease in self._leases.items():
             if lease.unflushed:
                 charges[tenant], lease.unflushed = lease.unflushed, 0
+                lease.sending += charges[tenant]
             if lease.requests and now - lease.granted_at > LEASE_TTL_S:
                 returns[tenant], lease.requests = lease.requests, 0
         return charges, returns
 
-    def _restore_unreported(self, charges: dict[str, int]) -> None:
+    def _reported(self, charges: dict[str, int], ok: bool) -> None:
+        """The call that carried ``charges`` ended: its answer holds them, or (not ``ok``) they
+        wait for the next one. Call after the answer's snapshot was seen."""
         for tenant, tokens in charges.items():
-            self._leases.setdefault(tenant, _Lease()).unflushed += tokens
+            lease = self._leases.setdefault(tenant, _Lease())
+            lease.sending -= tokens
+            if not ok:
+                lease.unflushed += tokens
 
     def _seen(self, snapshot: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -295,14 +304,16 @@ class ClusterQuota:
                 continue
             charges, returns = self._take_unreported()
             now = time.monotonic()
-            tenants = [t for t, lease in self._leases.items()
-                       if self._limited(t) and now - lease.used < ACTIVE_S]
+            tenants = [t for t, lease in self._leases.items() if self._limited(t)
+                       and (now - lease.used < ACTIVE_S or t in charges)]
             if not (charges or returns or tenants):
                 continue
             try:
                 self._seen(await self._call("report", charges, returns, tenants))
             except Exception:
-                self._restore_unreported(charges)  # reported when the actor answers again
+                self._reported(charges, ok=False)  # reported when the actor answers again
+            else:
+                self._reported(charges, ok=True)
 
     # -- the gate's calls ----------------------------------------------------------------------
     async def admit(self, tenant: str) -> Admission:
@@ -331,9 +342,10 @@ class ClusterQuota:
             try:
                 answer = await self._call("lease", tenant, want, charges, returns)
             except Exception:
-                self._restore_unreported(charges)
+                self._reported(charges, ok=False)
                 return self.local.admit(tenant)
             self._seen(answer["snapshot"])
+            self._reported(charges, ok=True)
             lease = self._leases[tenant]
             if answer["granted"] < 1:
                 return Admission(False, answer["retry_after_s"], answer["limit"],
@@ -351,7 +363,7 @@ class ClusterQuota:
             if time.monotonic() - lease.seen > ACTIVE_S:  # others may have spent it since
                 return False
             level = self._level(lease.tpm, lease.seen)
-            return level is not None and level - lease.unflushed > 0
+            return level is not None and level - lease.unflushed - lease.sending > 0
         return True
 
     def _batch(self, limits: TenantSettings) -> int:
@@ -394,7 +406,8 @@ class ClusterQuota:
             return None
         out: list[LimitState | None] = []
         for bucket, held, limit in ((lease.rpm, lease.requests, limits.requests_per_minute),
-                                    (lease.tpm, -lease.unflushed - pending_tokens,
+                                    (lease.tpm, -lease.unflushed - lease.sending
+                                     - pending_tokens,
                                      limits.tokens_per_minute)):
             level = self._level(bucket, lease.seen)
             if level is None or bucket is None or not limit:

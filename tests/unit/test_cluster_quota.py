@@ -32,13 +32,16 @@ def store(monkeypatch) -> dict:
 
 
 class FakeActor:
-    """A Ray actor handle over an in-process QuotaState: ``h.lease.remote(...)`` awaitable."""
+    """A Ray actor handle over an in-process QuotaState: ``h.lease.remote(...)`` awaitable.
+    One call at a time, in the order they started, as a (sync) Ray actor runs a caller's."""
 
     def __init__(self, state: QuotaState) -> None:
         self.state = state
         self.calls = 0
         self.down = False
         self.delay_s = 0.0
+        self.method_delay_s: dict[str, float] = {}
+        self.lock: asyncio.Lock | None = None
 
     def __getattr__(self, name: str):
         method = getattr(self.state, name)
@@ -53,7 +56,11 @@ class FakeActor:
                         raise ConnectionError("actor lost")
                     if outer.calls == 1:  # a fresh actor: its worker starting
                         await asyncio.sleep(outer.delay_s)
-                    return method(*args)
+                    if outer.lock is None:
+                        outer.lock = asyncio.Lock()
+                    async with outer.lock:
+                        await asyncio.sleep(outer.method_delay_s.get(name, 0.0))
+                        return method(*args)
                 return run()
         return Method()
 
@@ -175,4 +182,27 @@ def test_a_slow_first_answer_is_waited_for_regression_every_router_fell_back_at_
         assert [(await r1.admit("a")).admitted for _ in range(6)] == [True] * 6
         assert not r1.degraded
         assert not (await r1.admit("a")).admitted  # the whole limit: 6, not a share of 3
+    asyncio.run(main())
+
+
+def test_charges_on_their_way_to_the_actor_still_count_regression_tpm_admitted_over(store):
+    """The flush took a finished request's tokens off the replica's count when it sent them,
+    before the answer came: a request arriving meanwhile saw the old token level and none of
+    those tokens, and was admitted over the limit (test_tenancy's TPM test got 200, not 429)."""
+    tenants = [_tenant(tokens_per_minute=120)]
+    actor = FakeActor(QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
+    (r1,) = _routers(tenants, 1, actor)
+
+    async def main():
+        assert (await r1.admit("a")).admitted
+        r1.settle("a", 152)
+        actor.method_delay_s["report"] = 0.2
+        charges, returns = r1._take_unreported()  # what the flush does, then its call
+        flush = asyncio.ensure_future(r1._call("report", charges, returns, ["a"]))
+        await asyncio.sleep(0.05)
+        refusal = await r1.admit("a")
+        assert not refusal.admitted and refusal.limit == "tokens_per_minute"
+        r1._seen(await flush)
+        r1._reported(charges, ok=True)
+        assert r1._leases["a"].sending == 0 and not (await r1.admit("a")).admitted
     asyncio.run(main())
