@@ -102,7 +102,7 @@ arm() {  # workload policy seed
   kill -TERM $sampler; wait $sampler 2>/dev/null
   FINISHED=$((FINISHED + NUM))
   $PY bench/prefix_affinity_report.py scrape "$d/after.json" --min-finished $FINISHED
-  grep -A3 "^## Runs" "$d/summary.md" 2>/dev/null || tail -n 5 "$d/bench.log"
+  grep -A4 "^## Runs" "$d/summary.md" 2>/dev/null || tail -n 5 "$d/bench.log"
 }
 
 # The cluster runs until its stdin closes, then shuts its nodes down: its stdin is a fifo whose
