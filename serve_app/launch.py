@@ -234,12 +234,13 @@ def serve_start_options(config: AppConfig) -> dict[str, Any]:
             "http_options": {"host": config.router.host, "port": config.router.port}}
 
 
-def router_replica_port(app_name: str = APP_NAME) -> int:
+def router_replica_port(app_name: str = APP_NAME, route_prefix: str = "") -> int:
     """The HTTP port a router replica of ``app_name`` on this machine listens on itself (the
     one HAProxy forwards to). Clients that need the router's own socket behaviour use it: a
     stream below a few MB fits in HAProxy's and the kernel's buffers, so a client that stops
     reading through HAProxy never makes the router's writes wait (bench/RESULTS.md 9c).
-    Raises LookupError when no such replica answers here."""
+    ``route_prefix``: the app's, when it is not served at the root. Raises LookupError when no
+    such replica answers here."""
     import urllib.request
     from http.client import HTTPException
 
@@ -253,8 +254,9 @@ def router_replica_port(app_name: str = APP_NAME) -> int:
             if conn.status != psutil.CONN_LISTEN:
                 continue
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{conn.laddr.port}/health",
-                                            timeout=2) as answer:
+                with urllib.request.urlopen(
+                        f"http://127.0.0.1:{conn.laddr.port}{route_prefix}/health",
+                        timeout=2) as answer:
                     if answer.status == 200:
                         return int(conn.laddr.port)
             except (OSError, HTTPException):  # refused, timeout, not HTTP: another port
