@@ -185,3 +185,45 @@ def test_requests_cancelled_at_any_moment_leave_no_slot_behind(scripted):
 
     asyncio.run(one())
     assert len(ids) == 1
+
+
+def test_fair_share_after_a_quiet_spell_alternates_regression_idle_tenant_went_first(scripted):
+    """team-a is served alone below capacity for a while (its requests never wait), then team-a
+    and team-c are both backlogged. Service alternates within about one request. The fair
+    queue's clock used to move only when a queued request was popped: team-a's unqueued service
+    left it at 0, so team-c (idle meanwhile) then went first for as long as team-a's whole past
+    service (the unit test through the admission controller,
+    test_tenant_served_below_capacity_moves_the_clock_regression_idle_tenant_went_first, fails
+    without the fix)."""
+    s = scripted
+
+    async def main() -> tuple[list, int]:
+        ids: list = []
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def alone() -> None:  # one request at a time: never queued
+                for _ in range(8):
+                    await _complete(client, s, "team-a", ids, max_tokens=10)
+
+            await asyncio.gather(*[alone() for _ in range(2)])
+            assert (await asyncio.to_thread(s["state"]))["queued"] == 0
+            mark = len(await asyncio.to_thread(s["started"]))
+            both = []
+            for i in range(24):  # interleaved arrivals, 12 each
+                tenant = "team-a" if i % 2 else "team-c"
+                both.append(asyncio.create_task(_complete(client, s, tenant, ids)))
+                await asyncio.sleep(0.001)  # keeps the arrival order
+            await asyncio.gather(*both)
+        return ids, mark
+
+    ids, mark = asyncio.run(main())
+    tenant_of = {rid: tenant for tenant, rid in ids}
+    after = [tenant_of.get(rid) for rid in s["started"]()][mark:]
+    assert sorted(after) == ["team-a"] * 12 + ["team-c"] * 12, after
+    # What went in before a queue formed (the batch, the engine's headroom, the first-request
+    # slots) came in arrival order; from then on the two tenants alternate.
+    queued_part = after[BATCH + 2 * HEADROOM:]
+    lead = worst = 0
+    for tenant in queued_part:
+        lead += 1 if tenant == "team-c" else -1
+        worst = max(worst, abs(lead))
+    assert worst <= 2, after
