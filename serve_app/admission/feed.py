@@ -107,8 +107,8 @@ class EngineFeed:
         """The poll period while the model has work: ``poll_interval_s``, or longer (up to
         ``BUSY_PERIOD_CAP_S``) when the routers that reported to the replicas (the last view's
         demands) would together poll each replica more than ``engine_polls_per_s`` times a
-        second. Admission itself does
-        not wait for a poll: a finished request frees its place at once."""
+        second. Admission itself does not wait for a poll: a finished request frees its place
+        at once."""
         routers = max((len(r.router_demand) for r in self.replicas[:1]), default=1)
         return max(self.settings.poll_interval_s,
                    min(BUSY_PERIOD_CAP_S, routers / self.settings.engine_polls_per_s))

@@ -133,6 +133,7 @@ class OpenAIRouter:
         return {name: {"in_flight": a.in_flight, "queued": a.queued(), "capacity": a.capacity,
                        "in_flight_by_tenant": dict(a.tenant_in_flight),
                        "replicas": len(p.feeds[name].replicas),
+                       "held_answers": p.feeds[name].held,
                        "per_replica": [
                            {"replica": r.replica, "node": r.node, "active": r.active,
                             "running": r.running, "waiting": r.waiting,
