@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from ray.serve.config import RequestRouterConfig
+
 from serve_app.engine.protocol import GenerationRequest, SamplingOptions
 from serve_app.routing import pinned
 from serve_app.routing.pinned import TARGET_KWARG, PinnedOrPolicyRouter, pinned_target
@@ -140,19 +142,27 @@ def test_the_router_falls_back_on_the_load_it_reads(monkeypatch):
     assert router.decisions.reasons == ["load_fallback"]
 
 
-def test_loads_the_cache_lacks_are_probed(monkeypatch):
+def test_loads_the_cache_lacks_are_probed_regression_serve_pickle_rebinds_the_class():
     """Serve's cache forgets a replica not chosen for a while: a hot prefix's replica must not
-    look alone (and so never overloaded) because the other's entry expired."""
+    look alone (and so never overloaded) because the other's entry expired.
+
+    The probe is replaced on the router itself (Serve's private ``_probe_queue_lens``, which
+    serve_private.probe_queue_lens calls), not as pinned's module global: Serve pickles a
+    request router class by value, and unpickling it in the process that pickled it rebinds
+    the class's methods to copies with their own globals (cloudpickle's class tracker). After
+    any handle in the test process, a patched module global no longer reached the class (the
+    full suite failed here after the integration tests)."""
+    RequestRouterConfig(request_router_class=PinnedOrPolicyRouter).get_request_router_class()
     key_of = _affinity_router({}).policy.key(_pending(PROMPT).args[0])
     best, other = rendezvous_order(key_of, ["a", "b"])  # type: ignore[arg-type]
     probed: list[str] = []
 
-    async def probe(router, replicas):
+    async def probe(replicas, backoff_index):
         probed.extend(r.replica_id.unique_id for r in replicas)
         return [(r, 0) for r in replicas]
 
-    monkeypatch.setattr(pinned, "probe_queue_lens", probe)
     router = _affinity_router({best: 9}, margin=4)  # `other` is not in the cache
+    router._probe_queue_lens = probe  # type: ignore[method-assign]
     chosen = asyncio.run(router.choose_replicas([_replica("a"), _replica("b")], _pending(PROMPT)))
     assert probed == [other]
     assert chosen[0][0].replica_id.unique_id == other
