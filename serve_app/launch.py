@@ -302,7 +302,8 @@ class DeployResult:
 
 
 def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
-    """Apply ``config`` to the stack running on the cluster at ``address`` and return.
+    """Apply ``config`` to the stack running on the cluster at ``address``; return once it is
+    in force (a redeploy returns when Serve has the app running again, after any rolls).
 
     A change of tenants only (keys, priorities, model access, quotas) is published live: every
     router replica enforces it within about a second, no replica restarts and no stream is cut.

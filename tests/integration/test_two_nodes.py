@@ -145,9 +145,13 @@ def test_deploy_to_two_nodes_then_revoke_a_tenant_live_and_roll_the_engines(
     try:
         wait_until(lambda: len(streamed) >= 2 and whole, 60, 0.2)
         t1 = time.monotonic()
+        # `serve-app deploy` returns once Serve has the app running again, i.e. after both
+        # rolls: each new engine starts only after its predecessor drained (one CPU per node).
+        # 261 s on an idle 2-core machine; a clean-clone CI run on a loaded one passed 300 s.
         out = serve_app_cli("deploy", "--config",
                    str(_config(tmp_path / "v3.yaml", tiny_model_path, port,
-                               {"team-a": keys["team-a"]}, 1)), "--address", cluster["address"])
+                               {"team-a": keys["team-a"]}, 1)), "--address", cluster["address"],
+                   timeout=900)
         assert "redeploying" in out.stdout, out.stdout
         old = {e["id"] for e in engines}
 
