@@ -3,7 +3,9 @@ engine behind them: the quota is the router's business, so no model is needed).
 
 A tenant with requests_per_minute: 6 gets 6 requests in a minute (±1), whether it sends them to
 one router replica's own port or spreads them over both, and a router replica killed and
-replaced in the middle refills nothing. (With each replica holding half of the limit, the first
+replaced in the middle refills nothing. When the quota actor itself is lost, the routers serve
+on their local share meanwhile, start a new actor, and it restores the buckets from the last
+checkpoint (a spent tenant stays spent). (With each replica holding half of the limit, the first
 case got 3 and a restart refilled its half.) The bucket refills one request every 10 s, so each
 check allows what refilled during the test."""
 
@@ -23,6 +25,11 @@ PREFIX = "/quota2"
 MODEL = "scripted-quota"
 RPM = 6
 TENANTS = ("one-router", "both-routers", "router-restart")
+# The actor-loss test's tenants: one spent before the loss (2 per minute: its bucket refills
+# one request per 30 s, so a restored bucket stays far from a fresh, full one for the test's
+# length), and one whose traffic keeps the routers calling the actor meanwhile.
+SPENT_RPM, PROBE_RPM = 2, 600
+LOSS_TENANTS = {"actor-lost": SPENT_RPM, "actor-probe": PROBE_RPM}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +44,9 @@ def two_routers(stack):
     from serve_app.tenancy.keys import key_digest, new_key
 
     cfg = stack["config"]
-    keys = {name: new_key() for name in TENANTS}
-    tenants = [TenantSettings(name=n, api_key_sha256=[key_digest(k)], requests_per_minute=RPM)
+    rpm = {**dict.fromkeys(TENANTS, RPM), **LOSS_TENANTS}
+    keys = {name: new_key() for name in rpm}
+    tenants = [TenantSettings(name=n, api_key_sha256=[key_digest(k)], requests_per_minute=rpm[n])
                for n, k in keys.items()]
     model = ModelSettings(name=MODEL, path=str(stack["path"]), device="cpu", max_model_len=2048,
                           engine_kwargs={"max_num_seqs": 8, "scripted_step_s": 0.005})
@@ -124,3 +132,69 @@ def test_a_router_replica_replaced_in_the_middle_refills_nothing(two_routers):
     after = [_send(p, key) for p in _router_ports() for _ in range(3)]
     total = first.count(200) + after.count(200)
     assert total <= _allowed(started), (first, after, time.monotonic() - started)
+
+
+def _checkpointed_rpm(tenant: str) -> tuple[float, float] | None:
+    """(level, updated) of ``tenant``'s request bucket in the quota actor's last checkpoint."""
+    import json
+
+    from serve_app.ingress.cluster_quota import _checkpoint_key
+    from serve_app.serve_private import kv_get
+
+    raw = kv_get(_checkpoint_key(APP))
+    entry = json.loads(raw)["rpm"].get(tenant) if raw else None
+    return (entry[1], entry[2]) if entry else None
+
+
+def _quota_actor_id() -> str | None:
+    """The id of the app's quota actor while one is alive."""
+    from ray.util.state import list_actors
+
+    from serve_app.ingress.cluster_quota import actor_name
+
+    alive = list_actors(filters=[("name", "=", actor_name(APP)), ("state", "=", "ALIVE")])
+    return alive[0].actor_id if alive else None
+
+
+def test_a_lost_quota_actor_is_replaced_from_its_checkpoint_and_the_routers_serve_meanwhile(
+        two_routers):
+    """`actor-lost` (2 per minute) spends its bucket; the checkpoint shows it; the actor is
+    killed for good. Meanwhile requests are answered from the routers' local shares (1 per
+    minute each: a 200 here comes from a share, as the cluster bucket is empty); never a 5xx.
+    The routers start a new actor on their next calls, and its bucket for `actor-lost` is the
+    checkpoint's, refilled only for the time since (a fresh actor would hold 2)."""
+    import ray
+
+    from serve_app.ingress.cluster_quota import NAMESPACE, actor_name
+
+    ports = _router_ports()
+    spent = [_send(ports[i % 2], two_routers["actor-lost"]) for i in range(SPENT_RPM)]
+    assert spent == [200] * SPENT_RPM
+    level_at, updated = wait_until(
+        lambda: (c := _checkpointed_rpm("actor-lost")) and c[0] < 1 and c, 30, 0.2)
+    old = _quota_actor_id()
+    assert old is not None
+    ray.kill(ray.get_actor(actor_name(APP), namespace=NAMESPACE), no_restart=True)
+    wait_until(lambda: _quota_actor_id() != old, 30, 0.2)
+
+    during = [_send(p, two_routers["actor-lost"]) for p in ports]
+    assert set(during) <= {200, 429}, during
+    assert 200 in during, f"no router served from its local share while the actor was lost: {during}"
+
+    def replaced() -> str | None:
+        # The probe tenant's requests make the routers call the actor (and start a new one).
+        code = _send(ports[0], two_routers["actor-probe"])
+        assert code == 200, code
+        new = _quota_actor_id()
+        return new if new not in (None, old) else None
+
+    wait_until(replaced, 120, 1)
+    actor = ray.get_actor(actor_name(APP), namespace=NAMESPACE)
+    capacity, level, rate = ray.get(actor.report.remote({}, {}, ["actor-lost"]))[
+        "actor-lost"]["rpm"]
+    # The checkpoint read before the loss, refilled to now (a later checkpoint can only be
+    # lower: the actor saw nothing but refill and requests after it).
+    restored = min(capacity, level_at + (time.time() - updated) * rate)
+    print(f"\nactor-lost's bucket in the new actor: {level:.2f} of {capacity:g} "
+          f"(checkpoint before the loss {level_at:.2f}, refilled to now {restored:.2f})")
+    assert level <= restored + 0.05 and level < capacity - 0.5, (level, restored, capacity)

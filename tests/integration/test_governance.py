@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -48,23 +49,51 @@ def test_rate_limit_headers_on_json_sse_and_429_fall_by_one_per_request(stack):
     assert int(answers[0].headers["x-ratelimit-remaining-tokens"]) == 100000 - used
 
 
+def _first_token(stack, tenant: str) -> tuple[float, str]:
+    """(seconds to the first streamed token, request id) of one short streamed request."""
+    body = {"model": stack["model"], "prompt": "hello", "max_tokens": 2, "ignore_eos": True,
+            "stream": True}
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{stack['base']}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {stack['keys'][tenant]}"}) as r:
+        assert r.status_code == 200, r.read()
+        ttft = None
+        for line in r.iter_lines():
+            if ttft is None and line.startswith("data:") and '"text"' in line:
+                ttft = time.monotonic() - t0
+        assert ttft is not None
+        return ttft, r.headers["x-request-id"].split(",")[0]
+
+
 def test_concurrency_cap_holds_six_streams_to_two_in_flight_and_all_finish(stack):
     """Tenant `capped` (max_concurrent_requests: 2) opens 6 streams at once: the router never
     has more than 2 of them in the engines, the rest wait (not refused), all 6 finish, and
-    another tenant's request is served while `capped` still has requests waiting."""
-    from .conftest import admission_state
+    another tenant is not held behind them: its request, sent while `capped` has 2 out and more
+    waiting, waits in the router no longer than one admission round and gets its first token
+    before one of `capped`'s streams could have finished (behind the queue it would wait for
+    two of them)."""
+    from serve_app.observability.usage import read_records, usage_files
 
+    from .conftest import admission_state, wait_until
+
+    alone, _ = _first_token(stack, "team-a")  # the same request with nothing else running
     results: list[int] = []
-    peak, saw_waiting = 0, False
-    other_status: list[int] = []
+    durations: list[float] = []
+    peak = 0
+    beside: list[tuple[float, str]] = []
 
     def stream() -> None:
         body = {"model": stack["model"], "prompt": "hello", "max_tokens": 120,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{stack['base']}/v1/completions", json=body, timeout=120,
                           headers={"Authorization": f"Bearer {stack['keys']['capped']}"}) as r:
-            r.read()
+            first = None
+            for line in r.iter_lines():
+                if first is None and line.startswith("data:"):
+                    first = time.monotonic()
             results.append(r.status_code)
+            if first is not None:
+                durations.append(time.monotonic() - first)  # its decode, once admitted
 
     threads = [threading.Thread(target=stream, daemon=True) for _ in range(6)]
     for t in threads:
@@ -73,14 +102,21 @@ def test_concurrency_cap_holds_six_streams_to_two_in_flight_and_all_finish(stack
         state = admission_state(stack)
         held = state["in_flight_by_tenant"].get("capped", 0)
         peak = max(peak, held)
-        if held == 2 and state["queued"] and not other_status:
-            saw_waiting = True  # capped has 2 out and more waiting: another tenant goes now
-            other_status.append(_post(stack, "team-a", max_tokens=2).status_code)
+        if held == 2 and state["queued"] and not beside:
+            # capped has 2 out and more waiting: another tenant goes now
+            beside.append(_first_token(stack, "team-a"))
     for t in threads:
         t.join()
     assert results == [200] * 6, results
     assert peak == 2, f"the router had {peak} of the capped tenant's requests in flight"
-    assert saw_waiting and other_status == [200]
+    assert beside, "capped never had 2 in flight and more waiting"
+    ttft, request_id = beside[0]
+    print(f"\nteam-a TTFT alone {alone * 1000:.0f} ms, beside the capped tenant's queue "
+          f"{ttft * 1000:.0f} ms; a capped stream's decode {min(durations) * 1000:.0f} ms")
+    assert ttft < min(durations), (ttft, durations)
+    record = wait_until(lambda: next((r for r in read_records(usage_files([stack["usage_dir"]]))
+                                      if r["request_id"] == request_id), None), 10)
+    assert record["tenant"] == "team-a" and record["queue_wait_s"] < 0.25, record
 
 
 SECRET_PROMPT = "usage-record canary 7f3a91: never written"

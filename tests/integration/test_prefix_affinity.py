@@ -85,12 +85,15 @@ def affinity(stack):
         return wait_until(lambda: (x := replicas()) and sum(x.values()) == total and x, 30)
 
     counts: list[dict[str, int]] = []
+    request_ids: list[str] = []
 
     def send(tenant: str, **body: object) -> str:
-        """Send one request as ``tenant``; the id of the replica that took it."""
+        """Send one request as ``tenant``; the id of the replica that took it (its request id
+        is appended to ``request_ids``)."""
         before = counts[-1]
         r = post(tenant, **body)
         assert r.status_code == 200, r.text
+        request_ids.append(r.headers["x-request-id"].split(",")[0])
         after = settled(sum(before.values()) + 1)
         counts.append(after)
         (served,) = [rid for rid, n in after.items() if n > before.get(rid, 0)]
@@ -136,7 +139,8 @@ def affinity(stack):
         return views[0] if len(views) > 3 and all(v == views[0] for v in views) else None
 
     counts.append(wait_until(agreed, 30))
-    yield {"send": send, "flood": flood, "replicas": replicas}
+    yield {"send": send, "flood": flood, "replicas": replicas, "request_ids": request_ids,
+           "usage_dir": stack["usage_dir"]}
     serve.delete(APP)
 
 
@@ -148,12 +152,35 @@ def _predicted(tenant: str, replica_ids: list[str], **prompt: object) -> str:
     return rendezvous_order(key, replica_ids)[0]
 
 
+def _prefix_hit_rate(affinity, request_ids: list[str]) -> float:
+    """Cached prompt tokens over prompt tokens of ``request_ids``, as vLLM reported them for
+    each request (the usage records' ``cached_tokens``: what its prefix-cache hit counter
+    counts)."""
+    from serve_app.observability.usage import read_records, usage_files
+
+    def records() -> list[dict] | None:
+        found = {r["request_id"]: r for r in read_records(usage_files([affinity["usage_dir"]]))
+                 if r["request_id"] in request_ids}
+        return list(found.values()) if len(found) == len(request_ids) else None
+
+    recs = wait_until(records, 10)
+    return sum(r["cached_tokens"] for r in recs) / sum(r["prompt_tokens"] for r in recs)
+
+
 def test_a_tenants_shared_prefix_stays_on_one_replica(affinity):
+    """Six requests that share a 900-token prefix land on its replica; after the first (the
+    warm-up), vLLM found >= 0.9 of their prompt tokens in its prefix cache."""
     ids = sorted(affinity["replicas"]())
-    prompt = _system_prompt(1)
+    prompt = (_system_prompt(1) * 3)[:900]  # a character per token (the tiny model)
+    first = len(affinity["request_ids"])
     served = {affinity["send"]("team-a", prompt=f"{prompt} Question {i}: why?")
               for i in range(PER_TENANT)}
     assert served == {_predicted("team-a", ids, prompt=prompt)}
+    after_warm_up = affinity["request_ids"][first + 1:]
+    hit_rate = _prefix_hit_rate(affinity, after_warm_up)
+    print(f"\nprefix-cache hit rate after the warm-up: {hit_rate:.3f} ({len(after_warm_up)} "
+          "requests)")
+    assert hit_rate >= 0.9, hit_rate
     # Chat: keyed on the messages' text, so a conversation's later turns follow its first.
     system = {"role": "system", "content": prompt}
     chats = {affinity["send"]("team-a", messages=[system, {"role": "user", "content": q}])
