@@ -22,7 +22,12 @@ what the tenant has in flight plus what the other replicas charged within the la
 ``FLUSH_S`` (each replica sees its own charges at once), as with one replica plus that window.
 If the actor cannot be reached within ``CALL_TIMEOUT_S``, the replica falls back to its local
 share (1/N of every limit, the replica's own buckets) with a warning, and tries the actor again
-after ``RETRY_S``; the routers' charges made meanwhile are reported when it answers again.
+after ``RETRY_S``; the routers' charges made meanwhile are reported when it answers again. The
+share starts from the actor's last word, not full: each tenant this replica has seen gets 1/N
+of what the actor said was left (refilled to now), plus its unused lease, less its unreported
+usage, so losing the actor refills nobody. A tenant the replica had not seen starts its share
+full: during an outage, a tenant can pass its limit by the shares of the replicas that had not
+served it.
 """
 
 from __future__ import annotations
@@ -219,6 +224,7 @@ class ClusterQuota:
         self._actor: Any = None
         self._down_until = 0.0
         self._answered = False  # the actor answered this replica at least once
+        self._shares_seeded = False  # the local shares were set from the actor's last word
         self._flusher: asyncio.Task[None] | None = None
 
     def update(self, tenants: list[TenantSettings]) -> None:
@@ -251,15 +257,35 @@ class ClusterQuota:
                 getattr(self._actor, method).remote(*args),
                 CALL_TIMEOUT_S if self._answered else STARTUP_TIMEOUT_S)
             self._answered = True
+            self._shares_seeded = False
             return answer
         except Exception:
             if not self.degraded:
                 logger.warning("the cluster quota state did not answer; enforcing this router "
                                "replica's share (1/%d) of every limit for %g s", self.routers,
                                RETRY_S, exc_info=True)
+            if not self._shares_seeded:  # once per outage: later, the shares are the truth
+                self._seed_local_shares()
+                self._shares_seeded = True
             self._actor = None
             self._down_until = time.monotonic() + RETRY_S
             raise
+
+    def _seed_local_shares(self) -> None:
+        """Set the local share of every tenant the actor told this replica about to 1/N of
+        what it said was left (refilled to now), plus this replica's unused lease, less its
+        unreported usage (see the module docstring)."""
+        for tenant, lease in self._leases.items():
+            if not lease.seen:
+                continue
+            requests = self._level(lease.rpm, lease.seen)
+            tokens = self._level(lease.tpm, lease.seen)
+            self.local.seed(
+                tenant,
+                None if requests is None else requests / self.routers + lease.requests,
+                None if tokens is None
+                else tokens / self.routers - lease.unflushed - lease.sending)
+            lease.requests = 0  # moved into the share: not used or given back twice
 
     def _get_actor(self) -> Any:
         import ray

@@ -140,6 +140,15 @@ class QuotaBook:
         if rpm is not None:
             rpm.take(-1, self.clock())
 
+    def seed(self, tenant: str, requests: float | None, tokens: float | None) -> None:
+        """Set ``tenant``'s request and token bucket levels as of now (None: leave that bucket),
+        at most their capacity: a replica taking over enforcement starts from what it was told
+        is left, not from full buckets."""
+        now = self.clock()
+        for bucket, level in ((self._rpm.get(tenant), requests), (self._tpm.get(tenant), tokens)):
+            if bucket is not None and level is not None:
+                bucket.level, bucket.updated = min(bucket.capacity, level), now
+
     def state(self, tenant: str, pending_tokens: int = 0
               ) -> tuple[LimitState | None, LimitState | None]:
         """``tenant``'s request and token buckets as the rate-limit headers report them (None:

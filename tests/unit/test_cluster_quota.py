@@ -154,6 +154,38 @@ def test_an_unreachable_actor_falls_back_to_the_local_share_then_recovers(store,
     asyncio.run(main())
 
 
+def test_a_spent_tenant_stays_spent_when_the_actor_is_lost_regression_outage_refilled_shares(
+        store, monkeypatch):
+    """The shares a replica falls back to start from the actor's last word: a tenant that
+    spent its limit through the actor gets nothing more from them (they started full, so
+    losing the actor gave every tenant its whole limit again). A replica that had not served
+    the tenant starts its share full (the documented bound); a tenant with room left gets 1/N
+    of it, and the room comes back as the shares refill."""
+    monkeypatch.setattr(cluster_quota, "RETRY_S", 60.0)
+    tenants = [_tenant("spent", requests_per_minute=6, tokens_per_minute=600),
+               _tenant("room", requests_per_minute=60)]
+    actor = FakeActor(QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
+    r1, r2 = _routers(tenants, 2, actor)
+
+    async def main():
+        assert [(await r1.admit("spent")).admitted for _ in range(6)] == [True] * 6
+        assert not (await r1.admit("spent")).admitted  # the actor: none left
+        for _ in range(20):
+            assert (await r1.admit("room")).admitted  # 40 left of 60 (less r1's lease)
+        actor.down = True
+        refused = await r1.admit("spent")
+        assert r1.degraded and not refused.admitted, refused
+        assert refused.limit == "requests_per_minute"
+        # room: 1/2 of what the actor said was left (about 40), plus r1's unused lease.
+        room = [(await r1.admit("room")).admitted for _ in range(30)]
+        assert 18 <= room.count(True) <= 22, room.count(True)
+        # r2 never served `spent`: its share starts full (3 of 6).
+        await r2.admit("room")  # r2 finds the actor lost
+        assert r2.degraded
+        assert [(await r2.admit("spent")).admitted for _ in range(4)] == [True] * 3 + [False]
+    asyncio.run(main())
+
+
 def test_unlimited_tenants_never_call_the_actor(store):
     tenants = [_tenant("free")]
     actor = FakeActor(QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
