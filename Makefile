@@ -63,7 +63,7 @@ grafana-files:
 	install -m 644 dashboards/*.json $(GRAFANA_DIR)/dashboards/serve-app/
 
 test: install model prometheus
-	PROMETHEUS_BIN=$(abspath $(PROMETHEUS_BIN)) $(BIN)/python -m pytest -v -rs tests $(PYTEST_ARGS)
+	PROMETHEUS_BIN=$(abspath $(PROMETHEUS_BIN)) $(BIN)/python -m pytest -v -rs --durations=25 tests $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/python -m pytest -v tests/unit $(PYTEST_ARGS)
