@@ -91,7 +91,7 @@ def stack(tiny_model_path, tmp_path_factory):
     cfg = cfg.model_copy(update={"router": router, "tenants": tenants, "models": [model],
                                  "governance": governance})
     base, cfg = _start_on_free_ports(cfg, start_stack)
-    deadline = time.time() + 300
+    deadline = time.time() + 600  # a loaded 2-core machine starts the engine slowly
     while time.time() < deadline:
         try:
             if httpx.get(f"{base}/health", timeout=5).status_code == 200 and httpx.get(
@@ -103,7 +103,7 @@ def stack(tiny_model_path, tmp_path_factory):
             pass
         time.sleep(1)
     else:
-        pytest.fail("the app did not become ready in 300 s")
+        pytest.fail("the app did not become ready in 600 s")
     server = serve.get_deployment_handle(llm_server_name(MODEL), app_name=APP_NAME)
     router_handle = serve.get_deployment_handle("Router", app_name=APP_NAME)
     yield {"base": base, "server": server, "router": router_handle, "model": MODEL,
