@@ -44,8 +44,8 @@ HIGH_THROUGHPUT_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     # Serve's first readiness check of a starting proxy waits 5 s (then 10, 15, ... after each
     # restart). The HAProxy proxy starts HAProxy and its manager actor and, on a loaded head
-    # (2 cores beside a CPU-heavy job), took longer each time: Serve killed it every time, and
-    # `serve.start`, waiting on the killed actor, failed (a clean-clone CI run under stress).
+    # (2 cores beside a CPU hog; Ray's workers run at nice 15), took longer each time: Serve
+    # killed it every time, and `serve.start`, waiting on the killed actor, failed.
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
 }
 
