@@ -3,6 +3,7 @@ serving the tiny model. Started once per session (about a minute) and shared by 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -50,6 +51,16 @@ TENANTS: dict[str, dict] = {
 _free_port = free_port
 # Tries at starting the suite's stack on fresh ports when one was taken since it was chosen.
 PORT_TRIES = 3
+# Serve holds a stopping ingress replica (every Router replica: direct ingress behind HAProxy)
+# open for RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, 30 s by default, so that a load
+# balancer outside can deregister it, and only then refuses new connections (HAProxy retries those
+# on another replica) and waits for the requests in flight. Each app a test module deletes, each
+# router roll and the suite's end waited those 30 s: about six minutes of a run. HAProxy, on this
+# machine, is reloaded without a stopping replica as soon as the replica starts to stop, and
+# retries a refused connection on another replica, so the suite gives it 3 s. That is harsher
+# for the tests that roll routers under load (less time before the old router refuses), and
+# production keeps Serve's 30 s.
+SUITE_INGRESS_DRAIN_S = "3"
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +80,8 @@ def stack(tiny_model_path, tmp_path_factory):
     from serve_app.launch import start_stack, stop_stack
     from serve_app.tenancy.keys import key_digest, new_key
 
+    # Read by the Serve controller and replicas Ray starts below (they inherit this environment).
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", SUITE_INGRESS_DRAIN_S)
     cfg = load_config(REPO / "deployments" / "local-cpu.yaml")
     # Tenants with fresh keys: the suite runs with authentication on, as production does.
     keys = {name: new_key() for name in TENANTS}
