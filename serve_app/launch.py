@@ -234,19 +234,20 @@ def serve_start_options(config: AppConfig) -> dict[str, Any]:
             "http_options": {"host": config.router.host, "port": config.router.port}}
 
 
-def router_replica_port(app_name: str = APP_NAME, route_prefix: str = "") -> int:
-    """The HTTP port a router replica of ``app_name`` on this machine listens on itself (the
-    one HAProxy forwards to). Clients that need the router's own socket behaviour use it: a
-    stream below a few MB fits in HAProxy's and the kernel's buffers, so a client that stops
-    reading through HAProxy never makes the router's writes wait (bench/RESULTS.md 9c).
-    ``route_prefix``: the app's, when it is not served at the root. Raises LookupError when no
-    such replica answers here."""
+def router_replica_ports(app_name: str = APP_NAME, route_prefix: str = "") -> list[int]:
+    """The HTTP ports the router replicas of ``app_name`` on this machine listen on themselves
+    (the ones HAProxy forwards to), one per replica, sorted. Clients that need a router's own
+    socket behaviour, or one router rather than another, use them: a stream below a few MB
+    fits in HAProxy's and the kernel's buffers, so a client that stops reading through HAProxy
+    never makes the router's writes wait (bench/RESULTS.md 9c). ``route_prefix``: the app's,
+    when it is not served at the root. Empty when no such replica answers here."""
     import urllib.request
     from http.client import HTTPException
 
     import psutil  # installed with vLLM
 
     title = f"ServeReplica:{app_name}:Router"
+    ports: list[int] = []
     for proc in psutil.process_iter(["cmdline"]):
         if not any(title in arg for arg in proc.info["cmdline"] or []):
             continue
@@ -258,10 +259,20 @@ def router_replica_port(app_name: str = APP_NAME, route_prefix: str = "") -> int
                         f"http://127.0.0.1:{conn.laddr.port}{route_prefix}/health",
                         timeout=2) as answer:
                     if answer.status == 200:
-                        return int(conn.laddr.port)
+                        ports.append(int(conn.laddr.port))
+                        break  # one HTTP port per replica
             except (OSError, HTTPException):  # refused, timeout, not HTTP: another port
                 continue
-    raise LookupError(f"no HTTP port of a {app_name} router replica found on this machine")
+    return sorted(ports)
+
+
+def router_replica_port(app_name: str = APP_NAME, route_prefix: str = "") -> int:
+    """The first of :func:`router_replica_ports`. Raises LookupError when no router replica of
+    ``app_name`` answers on this machine."""
+    ports = router_replica_ports(app_name, route_prefix)
+    if not ports:
+        raise LookupError(f"no HTTP port of a {app_name} router replica found on this machine")
+    return ports[0]
 
 
 def base_url(config: AppConfig) -> str:
@@ -411,5 +422,5 @@ def stop_stack() -> None:
 
 
 __all__ = ["DeployResult", "Leftover", "PortInUseError", "base_url", "check_ports", "deploy",
-           "find_leftovers", "reap_leftovers", "serve_start_options", "stack_ports",
-           "start_stack", "status", "stop_stack"]
+           "find_leftovers", "reap_leftovers", "router_replica_port", "router_replica_ports",
+           "serve_start_options", "stack_ports", "start_stack", "status", "stop_stack"]

@@ -2,9 +2,10 @@
 router, Serve and HAProxy, with the scripted engine (its steps are timed, so what the
 engines run is deterministic enough to measure on a loaded 2-core machine).
 
-* Two routers, all the load on one (a client pinned to one router replica's port): the
-  engines run what one router alone would run. The fixed split by the router count held it to
-  half (capacity / 2 per router) while the other router idled.
+* Two routers, nearly all the load on one (clients pinned to one router replica's port, one
+  request at a time on the other's): the engines run what one router alone would run. The
+  fixed split by the router count held it to half (capacity / 2 per router) while the other
+  router idled, and so would an even split over the routers that report a demand.
 * A scale-down and then a rolling update under a backlog: admission follows the new view at
   once (within a second), the queue never waits more than 2 s while the engines have room,
   and no request fails or is cut.
@@ -93,33 +94,41 @@ TWO_APP, TWO_PREFIX, TWO_MODEL, TWO_BATCH = "tworouters", "/tworouters", "script
 
 
 def test_two_routers_with_the_load_on_one_run_the_whole_engine_regression_split_by_count(stack):
-    """Two router replicas; every request goes to one of them (its own port). The engine runs
-    >= 90% of its batch, what one router alone gets (split by count: at most 10 of 16)."""
+    """Two router replicas, each reached on its own port: 48 clients on one, a trickle of one
+    request at a time on the other. The engine runs >= 90% of its batch, what demand sharing
+    gives (about 15 + 1 of 16). A split by the router count, or an even split over the routers
+    that report a demand (the trickle makes the second one report), gives 8 + 1."""
     from ray import serve
 
     from serve_app.app import llm_server_name
-    from serve_app.launch import router_replica_port
+    from serve_app.launch import router_replica_ports
 
     _deploy(stack, TWO_APP, TWO_PREFIX, TWO_MODEL, TWO_BATCH, replicas=1, routers=2)
     try:
         wait_until(lambda: _serves(f"{stack['base']}{TWO_PREFIX}", TWO_MODEL, stack["headers"]),
                    120, 0.2)
         wait_until(lambda: _running_routers(TWO_APP) == 2, 120, 0.2)
-        port = wait_until(lambda: _port_or_none(router_replica_port, TWO_APP, TWO_PREFIX)
-                          or _port_or_none(router_replica_port, TWO_APP, ""), 60, 0.2)
-        base = _replica_base(port, TWO_MODEL, stack["headers"])
+
+        def both_ports() -> list[int] | None:
+            found = router_replica_ports(TWO_APP, TWO_PREFIX) or router_replica_ports(TWO_APP)
+            return found if len(found) == 2 else None
+
+        ports = wait_until(both_ports, 60, 0.2)
+        busy, quiet = (_replica_base(port, TWO_MODEL, stack["headers"]) for port in ports)
         results: list = []
-        stop, threads = start(*[(_long_streams, base, TWO_MODEL, stack["headers"], results)
-                                for _ in range(3 * TWO_BATCH)])
-        # The engine's own count (a call to the replica, not through either router: the idle
-        # router's view is never polled).
+        trickle: list = []
+        stop, threads = start(*[(_long_streams, busy, TWO_MODEL, stack["headers"], results)
+                                for _ in range(3 * TWO_BATCH)],
+                              (_long_streams, quiet, TWO_MODEL, stack["headers"], trickle))
+        # The engine's own count (a call to the replica, not through either router).
         server = serve.get_deployment_handle(llm_server_name(TWO_MODEL), app_name=TWO_APP)
 
         def engine_running() -> int:
             return server.engine_load.remote().result(timeout_s=30).running
 
         try:
-            wait_until(lambda: engine_running() > 0, 60, 0.05)
+            # Both routers poll and report their demands once the trickle's first stream ended.
+            wait_until(lambda: trickle and engine_running() > 0, 60, 0.05)
             running: list[int] = []
             deadline = time.monotonic() + 4.0
             while time.monotonic() < deadline:
@@ -133,6 +142,7 @@ def test_two_routers_with_the_load_on_one_run_the_whole_engine_regression_split_
               f"{TWO_BATCH} (samples {len(running)}, min {running[0]}, max {running[-1]})")
         assert results and all(r == (200, True) for r in results), \
             [r for r in results if r != (200, True)][:5]
+        assert trickle and all(r == (200, True) for r in trickle), trickle[:5]
         assert median >= 0.9 * TWO_BATCH, running
     finally:
         serve.delete(TWO_APP)
@@ -158,13 +168,6 @@ def _running_routers(app: str) -> int:
 
     status = serve.status().applications[app].deployments["Router"]
     return int(status.replica_states.get("RUNNING", 0))
-
-
-def _port_or_none(find, app: str, prefix: str) -> int | None:
-    try:
-        return find(app, prefix)
-    except LookupError:
-        return None
 
 
 def _replica_base(port: int, model: str, headers: dict) -> str:
