@@ -8,11 +8,19 @@ import threading
 import httpx
 
 
-def streams(base: str, model: str, headers: dict, results: list, stop: threading.Event) -> None:
+# How long a load client waits for a byte (a first token included). A client that waited
+# longer counts its request as failed ("ReadTimeout"): the tests that fault a node or an engine
+# assert that no request hung. Tests that leave a model without an engine replica for a while
+# on purpose (a rolling update of its only replica) pass a longer patience.
+PATIENCE_S = 60.0
+
+
+def streams(base: str, model: str, headers: dict, results: list, stop: threading.Event,
+            patience_s: float = PATIENCE_S) -> None:
     """Keep one stream open after another until stopped; each result is (status, True) for a
     stream that ended with [DONE], (status, False, "error event" or "cut after N lines") for
     one that did not, or (error and lines received, False) for a connection that broke."""
-    with httpx.Client(base_url=base, timeout=60, headers=headers) as c:
+    with httpx.Client(base_url=base, timeout=patience_s, headers=headers) as c:
         while not stop.is_set():
             lines: list[str] = []
             try:
@@ -32,10 +40,10 @@ def streams(base: str, model: str, headers: dict, results: list, stop: threading
 
 
 def whole_requests(base: str, model: str, headers: dict, results: list,
-                   stop: threading.Event) -> None:
+                   stop: threading.Event, patience_s: float = PATIENCE_S) -> None:
     """Send one non-streamed request after another until stopped; each result is (status,
     finished with its full length)."""
-    with httpx.Client(base_url=base, timeout=60, headers=headers) as c:
+    with httpx.Client(base_url=base, timeout=patience_s, headers=headers) as c:
         while not stop.is_set():
             try:
                 r = c.post("/v1/completions", json={"model": model, "prompt": "whole",
