@@ -15,8 +15,8 @@
 # finished requests per replica (vLLM's counters through Ray's metrics agents, read after the
 # warm-up and after the run), running requests per replica sampled every second.
 # usage: bench/gpu_prefix_affinity.sh [CONFIG]   (env: PYTHON, OUT, UTIL=0.3, POLICIES,
-#   WORKLOADS, GROUPS=64 PREFIX=4096 SUFFIX=256 OUTPUT=128 CONC=32 NUM=256, MARGIN (routing.
-#   imbalance_margin), PREFIX_BLOCKS, BLOCK_TOKENS (routing key), TOKEN_RANGE, GPUS=0,0, CPUS=8)
+#   WORKLOADS, PREFIX_GROUPS=64 PREFIX=4096 SUFFIX=256 OUTPUT=128 CONC=32 NUM=256, MARGIN (routing.
+#   imbalance_margin), LOAD_FACTOR (routing.load_factor), PREFIX_BLOCKS, BLOCK_TOKENS (routing key), TOKEN_RANGE, GPUS=0,0, CPUS=8)
 # One summary file: $OUT/prefix-affinity.md (the arms' files under $OUT/prefix-affinity/).
 # A CPU dry run with tiny sizes: CONFIG=deployments/local-cpu.yaml GPUS= (two CPU nodes).
 # On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_prefix_affinity.sh`; on your own
@@ -30,7 +30,7 @@ DIR=$DEST/prefix-affinity
 REPORT=$DEST/prefix-affinity.md
 rm -rf "$DIR"; mkdir -p "$DIR"
 T0=$(date +%s)
-GROUPS_N=${GROUPS:-64}; PREFIX=${PREFIX:-4096}; SUFFIX=${SUFFIX:-256}; OUTPUT=${OUTPUT:-128}
+GROUPS_N=${PREFIX_GROUPS:-64}; PREFIX=${PREFIX:-4096}; SUFFIX=${SUFFIX:-256}; OUTPUT=${OUTPUT:-128}
 CONC=${CONC:-32}; NUM=${NUM:-256}; PORT=${PORT:-8000}
 ensure_model "$CONFIG"
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
@@ -58,9 +58,9 @@ if model.get("device", "gpu") == "gpu":
     model["engine_kwargs"]["gpu_memory_utilization"] = float(util)
 routing = {"policy": policy}
 for knob, env in (("imbalance_margin", "MARGIN"), ("prefix_blocks", "PREFIX_BLOCKS"),
-                  ("block_tokens", "BLOCK_TOKENS")):
+                  ("block_tokens", "BLOCK_TOKENS"), ("load_factor", "LOAD_FACTOR")):
     if os.environ.get(env):
-        routing[knob] = int(os.environ[env])
+        routing[knob] = (float if knob == "load_factor" else int)(os.environ[env])
 model["routing"] = routing
 cfg.setdefault("router", {}).update(host="127.0.0.1", resources={"head": 0.01})
 cfg["tenants"] = [{"name": f"t{i}", "api_key_sha256": [key_digest(k)]} for i, k in enumerate(keys)]

@@ -16,7 +16,8 @@ class RoutingSettings(_Strict):
     ``power_of_two`` (the default) is Ray Serve's own choice: two random replicas, the one
     with fewer requests wins. ``prefix_affinity`` sends requests that share a tenant and a
     prompt prefix to the same replica, where vLLM's prefix cache holds that prefix, unless that
-    replica is busier than the least-loaded by more than ``imbalance_margin``. The default
+    replica would hold more than ``load_factor`` times the mean load and more than
+    ``imbalance_margin`` requests above the least-loaded. The default
     stays ``power_of_two`` until the GPU comparison (bench/gpu_prefix_affinity.sh) has run.
     """
 
@@ -38,10 +39,16 @@ class RoutingSettings(_Strict):
         "prompt or chat messages are cut into blocks (the router has no tokenizer; only "
         "requests of equal leading text must agree).")
     imbalance_margin: int = Field(
-        4, ge=0, description="prefix_affinity: requests (Serve's queue length) the key's "
-        "replica may hold above the least-loaded candidate before the request goes to the "
-        "first replica of the key's order within the margin (reason `load_fallback`). "
-        "Lower spreads a hot tenant sooner; higher keeps more prefixes cached.")
+        4, ge=0, description="prefix_affinity: requests (Serve's queue length) a replica may "
+        "always hold above the least-loaded candidate and still take the key's requests; "
+        "decides at small loads (see load_factor for large ones). Past both bounds the "
+        "request goes to the first replica of the key's order within them (reason "
+        "`load_fallback`).")
+    load_factor: float = Field(
+        1.25, ge=1.0, description="prefix_affinity: a replica may take the key's request while, "
+        "with it, it holds at most this many times the mean load of the replicas (consistent "
+        "hashing with bounded loads; HAProxy's hash-balance-factor 125). Lower spreads a hot "
+        "tenant sooner; higher keeps more prefixes on one replica, cached once.")
 
     def router_kwargs(self, model: str) -> dict[str, Any]:
         """The request router's ``initialize_state`` arguments (Serve's

@@ -209,9 +209,10 @@ def serving_dashboard() -> dict[str, Any]:
                  f"{rate}))", "{{model}} {{reason}}")], "reqps", 0, 96,
                "Where the routers sent requests, by why (routing.policy of the model): "
                "affinity = the replica the tenant's prefix hashes to; load_fallback = that "
-               "replica was past routing.imbalance_margin; cold = prompt under one key block; "
-               "power_of_two = the default policy. Many load_fallback: a hot tenant, or a "
-               "margin too small to keep prefixes together."),
+               "replica was past its load bound (routing.load_factor x the mean and "
+               "routing.imbalance_margin over the least-loaded); cold = prompt under one key "
+               "block; power_of_two = the default policy. Many load_fallback: a hot tenant, or "
+               "a bound too tight to keep prefixes together."),
         _panel(26, "Prefix-cache hit rate per replica",
                [(f"(sum by (model_name, ReplicaId) ({hits_rate}) or "
                  f"sum by (model_name, ReplicaId) ({queries_rate}) * 0) / "
@@ -228,8 +229,9 @@ def serving_dashboard() -> dict[str, Any]:
                  f"{_sel('ray_vllm_num_requests_waiting')})", "{{model_name}}")],
                "short", 0, 104,
                "Requests (running + waiting) in the busiest engine replica minus the least "
-               "busy, per model. Affinity routing is bounded by routing.imbalance_margin; a "
-               "spread well above it for long means one hot prefix pins a replica."),
+               "busy, per model. Affinity routing is bounded by routing.load_factor and "
+               "routing.imbalance_margin; a spread well above them for long means one hot "
+               "prefix pins a replica."),
         _panel(28, "Requests finished per replica",
                [(f"sum by (model_name, ReplicaId) "
                  f"(rate({_sel('ray_vllm_request_success_total')}{rate}))",

@@ -89,7 +89,8 @@ METRICS: dict[str, Metric] = {
         Metric("ray_serve_app_routing_decisions_total", "counter", "router",
                "Engine replica choices of the routers' requests, by model and reason: affinity "
                "(the replica its tenant and prefix hash to), load_fallback (that replica was "
-               "busier than the least-loaded by more than routing.imbalance_margin), cold "
+               "past its load bound: routing.load_factor x the mean load and "
+               "routing.imbalance_margin over the least-loaded), cold "
                "(prompt under one key block: spread by power of two), power_of_two (the "
                "power_of_two policy). Counted per routing attempt: a request Serve routes "
                "again because every replica refused it counts again."),

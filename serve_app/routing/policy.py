@@ -70,7 +70,8 @@ class RoutingPolicy(Protocol):
 
 
 def build_policy(name: str, *, block_tokens: int = 64, prefix_blocks: int = 4,
-                 chars_per_token: int = 4, imbalance_margin: int = 4) -> RoutingPolicy:
+                 chars_per_token: int = 4, imbalance_margin: int = 4,
+                 load_factor: float = 1.25) -> RoutingPolicy:
     """The policy called ``name`` with its knobs (see :class:`RoutingSettings` for their
     meaning). Raises ValueError, naming the known policies, for an unknown name."""
     from serve_app.routing.power_of_two import PowerOfTwo
@@ -82,6 +83,6 @@ def build_policy(name: str, *, block_tokens: int = 64, prefix_blocks: int = 4,
     if name == PrefixAffinity.name:
         return PrefixAffinity(PrefixKeyer(block_tokens=block_tokens, prefix_blocks=prefix_blocks,
                                           chars_per_token=chars_per_token),
-                              imbalance_margin=imbalance_margin)
+                              imbalance_margin=imbalance_margin, load_factor=load_factor)
     raise ValueError(f"unknown routing policy {name!r}; use one of: "
                      f"{PowerOfTwo.name}, {PrefixAffinity.name}")

@@ -18,8 +18,8 @@ def _req(salt: str | None = "tenant-a", **prompt: object) -> GenerationRequest:
     return GenerationRequest("r", SamplingOptions(), cache_salt=salt, **prompt)  # type: ignore[arg-type]
 
 
-def _policy(margin: int = 4) -> PrefixAffinity:
-    return PrefixAffinity(KEYER, imbalance_margin=margin)
+def _policy(margin: int = 4, factor: float = 1.25) -> PrefixAffinity:
+    return PrefixAffinity(KEYER, imbalance_margin=margin, load_factor=factor)
 
 
 def _idle(*ids: str) -> list[Candidate]:
@@ -131,10 +131,11 @@ def test_affinity_keeps_a_key_on_its_replica_and_ranks_the_rest():
     assert choice.ranked == tuple(rendezvous_order(key, ["a", "b", "c"]))  # type: ignore[arg-type]
 
 
-def test_load_fallback_past_the_margin_only():
+def test_load_fallback_past_the_margin_at_small_loads():
     p = _policy(margin=4)
     key = p.key(_req(prompt="a tenant's long shared system prompt"))
     best, other = rendezvous_order(key, ["a", "b"])  # type: ignore[arg-type]
+    # 6 + 1 of 9 is past 1.25 x the mean (6.25), but within the margin of the other's 2.
     at_margin = p.choose(key, [Candidate(best, 6), Candidate(other, 2)])
     assert (at_margin.reason, at_margin.ranked[0]) == ("affinity", best)
     past = p.choose(key, [Candidate(best, 7), Candidate(other, 2)])
@@ -142,16 +143,45 @@ def test_load_fallback_past_the_margin_only():
     assert past.ranked == (other, best)  # the busy replica stays a last resort
 
 
-def test_load_fallback_follows_the_keys_own_order_within_the_margin():
+def test_load_fallback_past_the_load_factor_at_large_loads():
+    p = _policy(margin=4, factor=1.25)
+    key = p.key(_req(prompt="a tenant's long shared system prompt"))
+    best, other = rendezvous_order(key, ["a", "b"])  # type: ignore[arg-type]
+    # 33 requests with this one: 1.25 x the mean is 20.6, so the key's replica takes it at 19
+    # (19 + 1 <= 20.6) and not at 20 (21 > 20.6; 20 is past the margin of 12 too).
+    assert p.choose(key, [Candidate(best, 19), Candidate(other, 13)]).reason == "affinity"
+    past = p.choose(key, [Candidate(best, 20), Candidate(other, 12)])
+    assert (past.reason, past.ranked[0]) == ("load_fallback", other)
+
+
+def test_a_few_requests_of_imbalance_at_high_load_keep_affinity_regression_margin_only_bound():
+    """On the H200 (two replicas, 32 streams, 64 prefixes) the keys' split was a few requests
+    uneven at any moment; the margin alone (4) then sent the key's requests to the other
+    replica, which cached the same prefixes again (hit rate 0.46 where routing by prefix alone
+    reached 0.94). 19 + 1 against 14 is 1.18 x the mean: affinity."""
+    p = _policy(margin=4)
+    key = p.key(_req(prompt="a tenant's long shared system prompt"))
+    best, other = rendezvous_order(key, ["a", "b"])  # type: ignore[arg-type]
+    assert p.choose(key, [Candidate(best, 19), Candidate(other, 14)]).reason == "affinity"
+    assert p.choose(key, [Candidate(best, 24), Candidate(other, 18)]).reason == "affinity"
+
+
+def test_load_fallback_follows_the_keys_own_order_within_the_bound():
     """With three replicas the spill goes to the key's second choice when that one is within
-    the margin (every router spills a hot prefix to the same place), not just anywhere."""
-    p = _policy(margin=2)
+    the bound (every router spills a hot prefix to the same place), not just anywhere."""
+    p = _policy(margin=2, factor=1.25)
     key = p.key(_req(prompt="a tenant's long shared system prompt"))
     first, second, third = rendezvous_order(key, ["a", "b", "c"])  # type: ignore[arg-type]
-    loads = [Candidate(first, 9), Candidate(second, 2), Candidate(third, 0)]
+    # 5 + 1 is within 1.25 x the mean (6.25 of 15 with this one); 6 + 1 is not (6.67 of 16).
+    loads = [Candidate(first, 9), Candidate(second, 5), Candidate(third, 0)]
     assert p.choose(key, loads).ranked[0] == second
-    loads = [Candidate(first, 9), Candidate(second, 3), Candidate(third, 0)]
+    loads = [Candidate(first, 9), Candidate(second, 6), Candidate(third, 0)]
     assert p.choose(key, loads).ranked[0] == third
+
+
+def test_load_factor_must_be_at_least_one():
+    with pytest.raises(ValueError, match="load_factor"):
+        _policy(factor=0.9)
 
 
 def test_unknown_loads_do_not_trigger_a_fallback():
