@@ -131,12 +131,17 @@ for policy in ${POLICIES:-power_of_two prefix_affinity}; do
   done
   $PY -m serve_app.cli status --address "$ADDRESS" > "$DIR/status-$policy.json" 2>&1
 done
+# Each engine's KV-cache size: the hit rate on a working set larger than one cache moves with
+# it (two calls of the same command differed a lot in the power-of-two arm; see RESULTS 31).
+grep -h "KV cache size" /tmp/ray/session_latest/logs/*.err /tmp/ray/session_latest/logs/*.out \
+  2>/dev/null | sort -u > "$DIR/kv-cache.txt"
 {
   echo "### Prefix affinity against power of two choices ($MODEL, two replicas on one device)"
   echo
   echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%."
   echo
   $PY bench/prefix_affinity_report.py table "$DIR"
+  echo; echo "Engines' KV caches:"; sed 's/^/    /' "$DIR/kv-cache.txt"
   echo "took $(( $(date +%s) - T0 ))s"
 } > "$REPORT"
 cat "$REPORT"
