@@ -17,8 +17,9 @@ class RoutingSettings(_Strict):
     with fewer requests wins. ``prefix_affinity`` sends requests that share a tenant and a
     prompt prefix to the same replica, where vLLM's prefix cache holds that prefix, unless that
     replica would hold more than ``load_factor`` times the mean load and more than
-    ``imbalance_margin`` requests above the least-loaded. The default
-    stays ``power_of_two`` until the GPU comparison (bench/gpu_prefix_affinity.sh) has run.
+    ``imbalance_margin`` requests above the least-loaded. The default stays ``power_of_two``
+    until the GPU comparison (bench/gpu_prefix_affinity.sh; bench/RESULTS.md 31) has its
+    random-prompt arm, the no-regression check.
     """
 
     policy: Literal["power_of_two", "prefix_affinity"] = Field(
