@@ -135,7 +135,7 @@ def test_load_fallback_past_the_margin_at_small_loads():
     p = _policy(margin=4)
     key = p.key(_req(prompt="a tenant's long shared system prompt"))
     best, other = rendezvous_order(key, ["a", "b"])  # type: ignore[arg-type]
-    # 6 + 1 of 9 is past 1.25 x the mean (6.25), but within the margin of the other's 2.
+    # 6 + 1 of 9 is past 1.25 x the mean (5.6), but 6 is within the margin over the other's 2.
     at_margin = p.choose(key, [Candidate(best, 6), Candidate(other, 2)])
     assert (at_margin.reason, at_margin.ranked[0]) == ("affinity", best)
     past = p.choose(key, [Candidate(best, 7), Candidate(other, 2)])
@@ -148,7 +148,7 @@ def test_load_fallback_past_the_load_factor_at_large_loads():
     key = p.key(_req(prompt="a tenant's long shared system prompt"))
     best, other = rendezvous_order(key, ["a", "b"])  # type: ignore[arg-type]
     # 33 requests with this one: 1.25 x the mean is 20.6, so the key's replica takes it at 19
-    # (19 + 1 <= 20.6) and not at 20 (21 > 20.6; 20 is past the margin of 12 too).
+    # (19 + 1 <= 20.6) and not at 20 (21 > 20.6; 20 is past 12 + the margin of 4 too).
     assert p.choose(key, [Candidate(best, 19), Candidate(other, 13)]).reason == "affinity"
     past = p.choose(key, [Candidate(best, 20), Candidate(other, 12)])
     assert (past.reason, past.ranked[0]) == ("load_fallback", other)
