@@ -4,7 +4,7 @@
 # Two Serve replicas on one GPU need two Ray nodes that share the device (as the node-loss test
 # does): tests/integration/local_cluster.py with CLUSTER_GPUS=0,0; the router sits on the head.
 # Workloads (WORKLOADS, each run under every policy of POLICIES):
-#   shared  GROUPS prefix groups of PREFIX tokens over 4 equal tenants, a unique SUFFIX-token
+#   shared  PREFIX_GROUPS prefix groups of PREFIX tokens over 4 equal tenants, a unique SUFFIX-token
 #           suffix, OUTPUT tokens, CONC streams, NUM requests after one warm-up request per group
 #           (64 x 4096 = 262k tokens: more than one replica's KV cache at 0.3, less than two)
 #   random  random prompts of PREFIX+SUFFIX tokens, no shared prefix (no-regression check)
@@ -16,7 +16,8 @@
 # warm-up and after the run), running requests per replica sampled every second.
 # usage: bench/gpu_prefix_affinity.sh [CONFIG]   (env: PYTHON, OUT, UTIL=0.3, POLICIES,
 #   WORKLOADS, PREFIX_GROUPS=64 PREFIX=4096 SUFFIX=256 OUTPUT=128 CONC=32 NUM=256, MARGIN (routing.
-#   imbalance_margin), LOAD_FACTOR (routing.load_factor), PREFIX_BLOCKS, BLOCK_TOKENS (routing key), TOKEN_RANGE, GPUS=0,0, CPUS=8)
+#   imbalance_margin), LOAD_FACTOR (routing.load_factor), PREFIX_BLOCKS, BLOCK_TOKENS (routing
+#   key), TOKEN_RANGE, GPUS=0,0, CPUS=8)
 # One summary file: $OUT/prefix-affinity.md (the arms' files under $OUT/prefix-affinity/).
 # A CPU dry run with tiny sizes: CONFIG=deployments/local-cpu.yaml GPUS= (two CPU nodes).
 # On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_prefix_affinity.sh`; on your own
