@@ -50,17 +50,19 @@ def test_knobs_are_bounded():
         RoutingSettings(block_tokens=0)
     with pytest.raises(ValidationError, match="imbalance_margin"):
         RoutingSettings(imbalance_margin=-1)
+    with pytest.raises(ValidationError, match="load_factor"):
+        RoutingSettings(load_factor=0.5)  # below the mean: no replica could ever take a key
 
 
 def test_the_deployment_passes_routing_to_the_request_router():
     cfg = _with_routing(_config(), policy="prefix_affinity", block_tokens=32, prefix_blocks=2,
-                        chars_per_token=3, imbalance_margin=6)
+                        chars_per_token=3, imbalance_margin=6, load_factor=1.5)
     rr = llm_server_options(cfg.models[0])["request_router_config"]
     assert rr["request_router_class"].endswith(":PinnedOrPolicyRouter")
     router = PinnedOrPolicyRouter.__new__(PinnedOrPolicyRouter)
     router.initialize_state(**rr["request_router_kwargs"])  # what Serve does with them
     assert isinstance(router.policy, PrefixAffinity)
-    assert router.policy.imbalance_margin == 6
+    assert (router.policy.imbalance_margin, router.policy.load_factor) == (6, 1.5)
     assert (router.policy.keyer.block_tokens, router.policy.keyer.prefix_blocks,
             router.policy.keyer.chars_per_token) == (32, 2, 3)
     assert router.decisions.model == cfg.models[0].name
