@@ -17,11 +17,13 @@
 # usage: bench/gpu_prefix_affinity.sh [CONFIG]   (env: PYTHON, OUT, UTIL=0.3, POLICIES,
 #   WORKLOADS, PREFIX_GROUPS=64 PREFIX=4096 SUFFIX=256 OUTPUT=128 CONC=32 NUM=256, MARGIN (routing.
 #   imbalance_margin), LOAD_FACTOR (routing.load_factor), PREFIX_BLOCKS, BLOCK_TOKENS (routing
-#   key), TOKEN_RANGE, GPUS=0,0, CPUS=8)
+#   key), TOKEN_RANGE, GPUS=0,0, CPUS=8, KV_BYTES (each engine's KV cache in bytes: two engines that
+#   start together on one GPU size their caches from memory the other is still taking, 85k and
+#   217k tokens at UTIL 0.3 in one call; a fixed size makes both arms' replicas equal))
 # One summary file: $OUT/prefix-affinity.md (the arms' files under $OUT/prefix-affinity/).
 # A CPU dry run with tiny sizes: CONFIG=deployments/local-cpu.yaml GPUS= (two CPU nodes).
 # On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_prefix_affinity.sh`; on your own
-# GPU machine, with the project installed, run it directly. Not yet run on a GPU.
+# GPU machine, with the project installed, run it directly. Results: bench/RESULTS.md 31, 31b.
 set -uo pipefail
 . "$(dirname "$0")/arm_lib.sh"
 CONFIG=${1:-${CONFIG:-deployments/gpu-1.yaml}}
@@ -57,6 +59,8 @@ model["path"] = str(load_config(path).models[0].path)  # as it was resolved
 model["autoscaling"] = {"min_replicas": 2, "max_replicas": 2}
 if model.get("device", "gpu") == "gpu":
     model["engine_kwargs"]["gpu_memory_utilization"] = float(util)
+    if os.environ.get("KV_BYTES"):  # both engines the same KV cache (see KV_BYTES above)
+        model["engine_kwargs"]["kv_cache_memory_bytes"] = int(os.environ["KV_BYTES"])
 routing = {"policy": policy}
 for knob, env in (("imbalance_margin", "MARGIN"), ("prefix_blocks", "PREFIX_BLOCKS"),
                   ("block_tokens", "BLOCK_TOKENS"), ("load_factor", "LOAD_FACTOR")):
@@ -139,7 +143,7 @@ grep -h "KV cache size" /tmp/ray/session_latest/logs/*.err /tmp/ray/session_late
 {
   echo "### Prefix affinity against power of two choices ($MODEL, two replicas on one device)"
   echo
-  echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%."
+  echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each${KV_BYTES:+, KV cache $KV_BYTES bytes each}; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%."
   echo
   $PY bench/prefix_affinity_report.py table "$DIR"
   echo; echo "Engines' KV caches:"; sed 's/^/    /' "$DIR/kv-cache.txt"
