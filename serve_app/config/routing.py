@@ -13,20 +13,21 @@ from serve_app.config.base import _Strict
 class RoutingSettings(_Strict):
     """Replica choice for one model's requests (docs/routing.md).
 
-    ``power_of_two`` (the default) is Ray Serve's own choice: two random replicas, the one
-    with fewer requests wins. ``prefix_affinity`` sends requests that share a tenant and a
-    prompt prefix to the same replica, where vLLM's prefix cache holds that prefix, unless that
-    replica would hold more than ``load_factor`` times the mean load and more than
-    ``imbalance_margin`` requests above the least-loaded. The default stays ``power_of_two``
-    until the GPU comparison (bench/gpu_prefix_affinity.sh; bench/RESULTS.md 31) has its
-    random-prompt arm, the no-regression check.
+    ``prefix_affinity`` (the default) sends requests that share a tenant and a prompt prefix to
+    the same replica, where vLLM's prefix cache holds that prefix, unless that replica would
+    hold more than ``load_factor`` times the mean load and more than ``imbalance_margin``
+    requests above the least-loaded; prompts shorter than one key block are spread by power of
+    two. ``power_of_two`` is Ray Serve's own choice for every request: two random replicas, the
+    one with fewer requests wins. The default is the one that measured best on one H200 with
+    two replicas (bench/RESULTS.md 31b): on shared prefixes TTFT p50 0.31x and output 1.28x of
+    power of two; on random prompts equal throughput; with one tenant at 70% no replica busier.
     """
 
     policy: Literal["power_of_two", "prefix_affinity"] = Field(
-        "power_of_two", description="`power_of_two`: Serve's choice, keys unused. "
-        "`prefix_affinity`: rendezvous hashing of (tenant cache salt, leading prompt blocks) "
-        "over the replicas, bounded by load; every router replica computes the same choice "
-        "with no shared state.")
+        "prefix_affinity", description="`prefix_affinity` (default): rendezvous hashing of "
+        "(tenant cache salt, leading prompt blocks) over the replicas, bounded by load; every "
+        "router replica computes the same choice with no shared state. `power_of_two`: Serve's "
+        "choice for every request, keys unused.")
     block_tokens: int = Field(
         64, ge=1, description="prefix_affinity: tokens per key block. A prompt shorter than "
         "one block has no key and is spread by power of two (reason `cold`).")

@@ -211,8 +211,8 @@ def serving_dashboard() -> dict[str, Any]:
                "affinity = the replica the tenant's prefix hashes to; load_fallback = that "
                "replica was past its load bound (routing.load_factor x the mean and "
                "routing.imbalance_margin over the least-loaded); cold = prompt under one key "
-               "block; power_of_two = the default policy. Many load_fallback: a hot tenant, or "
-               "a bound too tight to keep prefixes together."),
+               "block; power_of_two = a model with routing.policy power_of_two. Many "
+               "load_fallback: a hot tenant, or a bound too tight to keep prefixes together."),
         _panel(26, "Prefix-cache hit rate per replica",
                [(f"(sum by (model_name, ReplicaId) ({hits_rate}) or "
                  f"sum by (model_name, ReplicaId) ({queries_rate}) * 0) / "

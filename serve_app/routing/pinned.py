@@ -25,6 +25,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from serve_app.config.routing import RoutingSettings
 from serve_app.engine.protocol import GenerationRequest
 from serve_app.routing.policy import Candidate, Reason, RoutingPolicy, build_policy
 from serve_app.serve_private import PowerOfTwoChoicesRequestRouter, probe_queue_lens
@@ -83,11 +84,12 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     policy: RoutingPolicy
     decisions: Any
 
-    def initialize_state(self, policy: str = "power_of_two", model: str = "",
-                         **knobs: Any) -> None:
+    def initialize_state(self, model: str = "", **routing: Any) -> None:
         """Called by Serve with the deployment's ``request_router_kwargs``: the model's
-        ``routing:`` settings (:meth:`RoutingSettings.router_kwargs`) and its name."""
-        self.policy = build_policy(policy, **knobs)
+        ``routing:`` settings (:meth:`RoutingSettings.router_kwargs`) and its name. Settings
+        not given take :class:`RoutingSettings`' defaults (a bare router: all of them)."""
+        settings = RoutingSettings.model_validate(routing)
+        self.policy = build_policy(settings.policy, **settings.model_dump(exclude={"policy"}))
         self.decisions = DecisionCounter(model)
 
     def _policy(self) -> RoutingPolicy:

@@ -11,7 +11,7 @@ config (:class:`serve_app.config.routing.RoutingSettings`); :func:`build_policy`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from serve_app.engine.protocol import GenerationRequest
 
@@ -69,11 +69,11 @@ class RoutingPolicy(Protocol):
         """Where the request with ``key`` goes among ``candidates`` (never empty)."""
 
 
-def build_policy(name: str, *, block_tokens: int = 64, prefix_blocks: int = 4,
-                 chars_per_token: int = 4, imbalance_margin: int = 4,
-                 load_factor: float = 1.25) -> RoutingPolicy:
-    """The policy called ``name`` with its knobs (see :class:`RoutingSettings` for their
-    meaning). Raises ValueError, naming the known policies, for an unknown name."""
+def build_policy(name: str, **knobs: Any) -> RoutingPolicy:
+    """The policy called ``name`` with its knobs; a knob not given takes its default from
+    :class:`RoutingSettings`, which also says what each one means (one place for them). Raises
+    ValueError, naming the known policies, for an unknown name."""
+    from serve_app.config.routing import RoutingSettings
     from serve_app.routing.power_of_two import PowerOfTwo
     from serve_app.routing.prefix_affinity import PrefixAffinity
     from serve_app.routing.prefix_key import PrefixKeyer
@@ -81,8 +81,9 @@ def build_policy(name: str, *, block_tokens: int = 64, prefix_blocks: int = 4,
     if name == PowerOfTwo.name:
         return PowerOfTwo()
     if name == PrefixAffinity.name:
-        return PrefixAffinity(PrefixKeyer(block_tokens=block_tokens, prefix_blocks=prefix_blocks,
-                                          chars_per_token=chars_per_token),
-                              imbalance_margin=imbalance_margin, load_factor=load_factor)
+        k = RoutingSettings(policy=name, **knobs)
+        return PrefixAffinity(PrefixKeyer(block_tokens=k.block_tokens, prefix_blocks=k.prefix_blocks,
+                                          chars_per_token=k.chars_per_token),
+                              imbalance_margin=k.imbalance_margin, load_factor=k.load_factor)
     raise ValueError(f"unknown routing policy {name!r}; use one of: "
                      f"{PowerOfTwo.name}, {PrefixAffinity.name}")
