@@ -25,7 +25,10 @@ on the engine's clock, as the vLLM adapter runs it: its ``check_health`` fails w
 declares a stall (the scripted engine has no processes to kill; its step loop is stopped).
 
 Each replica also records the order in which it started requests (:meth:`started_order`), which
-ordering tests read through ``LLMServer.engine_started_order``.
+ordering tests read through ``LLMServer.engine_started_order``, and its step loop can be held
+between steps (:meth:`hold_steps`, through ``LLMServer.engine_hold_steps``): while it is held no
+request starts or finishes, so a test can place requests in the router's queue without racing
+the engine's clock.
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ class ScriptedEngine:
         self._prefill_tokens_avg = 0.0
         self._loop: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._released = asyncio.Event()  # cleared while a test holds the step loop
+        self._released.set()
+        self._parked = asyncio.Event()  # set while the loop waits between steps
         origin = time.monotonic()
         scale = self.clock_scale
         # The engine's clock: real monotonic time, sped up by scripted_clock_scale.
@@ -144,6 +150,16 @@ class ScriptedEngine:
         if self._loop is not None:
             self._loop.cancel()
 
+    async def hold_steps(self, held: bool) -> None:
+        """``held=True``: stop the step loop after its current step and return once it has
+        stopped (from then on nothing starts, emits or finishes); ``False``: let it run on."""
+        if held:
+            self._released.clear()
+            await self._parked.wait()
+        else:
+            self._released.set()
+            self._wake.set()
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         prompt_tokens = count_prompt_tokens(request)
         room = self._max_model_len - prompt_tokens
@@ -178,9 +194,11 @@ class ScriptedEngine:
     async def _run(self) -> None:
         """The step loop: start waiting requests, then one token for every running one."""
         while True:
-            if not self._running and not self._waiting:
+            while not (self._running or self._waiting) or not self._released.is_set():
+                self._parked.set()
                 self._wake.clear()
                 await self._wake.wait()
+            self._parked.clear()
             started = self.clock()
             self._waiting.sort(key=lambda s: s.order)
             while self._waiting and len(self._running) < self.max_running:

@@ -129,6 +129,16 @@ class LLMServer:
         order = getattr(self.engine, "started_order", None)
         return order() if order else []
 
+    async def engine_hold_steps(self, held: bool) -> bool:
+        """Hold (True) or release (False) the engine's step loop where the engine has that
+        control (the scripted engine, for ordering tests); returns whether it has. Returns
+        once a held loop has stopped between steps."""
+        hold = getattr(self.engine, "hold_steps", None)
+        if hold is None:
+            return False
+        await hold(held)
+        return True
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom metrics for :mod:`serve_app.autoscaling` (Serve calls this every
         ``metrics_interval_s``). ``in_engine``: this replica's own requests; ``router_queued``:

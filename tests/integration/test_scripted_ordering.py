@@ -56,7 +56,8 @@ def scripted(stack):
 
     yield {"base": base, "state": state, "keys": stack["keys"],
            "started": lambda: server.engine_started_order.remote().result(timeout_s=30),
-           "load": lambda: server.engine_load.remote().result(timeout_s=30)}
+           "load": lambda: server.engine_load.remote().result(timeout_s=30),
+           "hold": lambda held: server.engine_hold_steps.remote(held).result(timeout_s=30)}
     serve.delete(APP)
 
 
@@ -86,7 +87,11 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
     order. The engine starts all of team-b's before team-c's waiting ones (team-c's first goes
     in at once: a tenant with nothing in flight), and before the flood's backlog.
     Checked against a build without bands (team-b made normal): team-c's second request then
-    started before team-b's second, and this test failed."""
+    started before team-b's second, and this test failed.
+    Regression (flaky_arrival_race): the six used to be sent between two freed places, a
+    second apart; on a loaded machine team-b's third once reached the router after team-c's
+    second had taken a place (arrival order, not the bands). Now the engine's step loop is held
+    while they arrive, so no place frees until all six wait in the router."""
     s = scripted
     samples: list[dict] = []
     stop = threading.Event()
@@ -96,31 +101,30 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
             samples.append(s["state"]())
             time.sleep(0.05)
 
+    def held_total() -> int:  # requests the router holds: admitted (in the engine) or queued
+        x = s["state"]()
+        return x["in_flight"] + x["queued"]
+
     async def main() -> tuple[list, int]:
         ids: list = []
         async with httpx.AsyncClient(timeout=120) as client:
-            # Flood requests of FLOOD_TOKENS: a place frees only every FLOOD_TOKENS x STEP_S /
-            # BATCH = 1 s, so the six late requests all reach the router between two of them.
-            # With 50-token floods (a place every 0.25 s) a loaded CI machine once spread their
-            # arrival wider than that: team-c's second took a place before team-b's third had
-            # arrived (arrival order, not the bands).
             flood = [asyncio.create_task(_complete(client, s, "team-a", ids,
                                                    max_tokens=FLOOD_TOKENS))
                      for _ in range(6 * BATCH)]
             # A backlog in the router: the batch, the engine's small queue and team-a's first
             # request are out, the rest waits.
-            state = await asyncio.to_thread(
-                wait_until, lambda: (x := s["state"]())["queued"] >= 3 * BATCH and x, 60)
-            # Right after a place freed (the queue just shrank), so that all six arrive before
-            # the next one frees: otherwise team-c's second could take it before team-b's
-            # arrived, which is arrival order, not the bands (seen once in a clean CI run).
             await asyncio.to_thread(
-                wait_until, lambda: s["state"]()["queued"] < state["queued"], 60, 0.01)
-            mark = len(await asyncio.to_thread(s["started"]))
+                wait_until, lambda: (x := s["state"]())["queued"] >= 3 * BATCH and x, 60)
+            # Held, nothing starts or finishes: the router's count moves only by arrivals.
+            await asyncio.to_thread(s["hold"], True)
+            before = await asyncio.to_thread(held_total)
             late = []
             for tenant in ["team-c"] * 3 + ["team-b"] * 3:
                 late.append(asyncio.create_task(_complete(client, s, tenant, ids)))
                 await asyncio.sleep(0.001)  # keeps the arrival order
+            await asyncio.to_thread(wait_until, lambda: held_total() == before + 6, 60, 0.02)
+            mark = len(await asyncio.to_thread(s["started"]))
+            await asyncio.to_thread(s["hold"], False)
             await asyncio.gather(*flood, *late)
         return ids, mark
 

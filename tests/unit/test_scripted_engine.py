@@ -76,3 +76,32 @@ async def test_context_overflow_is_a_request_error_before_any_chunk():
         await _drain(engine, _request("big", tokens=100))
     assert err.value.param == "max_tokens"
     await engine.shutdown()
+
+
+async def test_a_held_step_loop_starts_and_emits_nothing_until_released():
+    engine = _engine(batch=1)
+    await engine.start()
+    idle_hold = asyncio.wait_for(engine.hold_steps(True), 1)
+    await idle_hold  # an idle loop counts as stopped between steps
+    first = asyncio.create_task(_drain(engine, _request("first", tokens=2)))
+    await asyncio.sleep(0.05)  # 50 steps' time: a loop that ignored the hold would finish
+    assert engine.started_order() == [] and not first.done()
+    await engine.hold_steps(False)
+    assert len(await asyncio.wait_for(first, 1)) == 2
+    # Held mid-stream: once hold_steps returns, no token comes until the release.
+    chunks: list = []
+
+    async def collect() -> None:
+        async for chunk in engine.generate(_request("second", tokens=60)):
+            chunks.append(chunk)
+
+    second = asyncio.create_task(collect())
+    await asyncio.sleep(0.01)
+    await asyncio.wait_for(engine.hold_steps(True), 1)
+    seen = len(chunks)
+    await asyncio.sleep(0.05)  # 50 steps' time
+    assert 0 < seen == len(chunks) < 60
+    await engine.hold_steps(False)
+    await asyncio.wait_for(second, 1)
+    assert len(chunks) == 60 and engine.started_order() == ["first", "second"]
+    await engine.shutdown()
