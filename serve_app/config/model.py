@@ -123,7 +123,8 @@ class ModelSettings(_Strict):
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     routing: RoutingSettings = Field(
         default_factory=RoutingSettings, description="How the routers choose the engine "
-        "replica of each request: `policy` (prefix_affinity, the default | power_of_two) and its knobs.")
+        "replica of each request: `policy` (prefix_affinity, the default | power_of_two) and "
+        "its knobs.")
     drain_timeout_s: float = Field(
         DEFAULT_DRAIN_TIMEOUT_S, gt=0, description="How long a replica chosen to go (scale-down, redeploy) may "
         "take to finish its streams; it gets no new requests meanwhile. Size it to the longest "

@@ -115,16 +115,22 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
             # request are out, the rest waits.
             await asyncio.to_thread(
                 wait_until, lambda: (x := s["state"]())["queued"] >= 3 * BATCH and x, 60)
-            # Held, nothing starts or finishes: the router's count moves only by arrivals.
+            # Every flood request has reached the router (or been answered), so that once the
+            # engine is held the router's count moves only by the six late arrivals.
+            await asyncio.to_thread(
+                wait_until, lambda: held_total() + sum(t.done() for t in flood) >= 6 * BATCH, 60)
             await asyncio.to_thread(s["hold"], True)
-            before = await asyncio.to_thread(held_total)
-            late = []
-            for tenant in ["team-c"] * 3 + ["team-b"] * 3:
-                late.append(asyncio.create_task(_complete(client, s, tenant, ids)))
-                await asyncio.sleep(0.001)  # keeps the arrival order
-            await asyncio.to_thread(wait_until, lambda: held_total() == before + 6, 60, 0.02)
-            mark = len(await asyncio.to_thread(s["started"]))
-            await asyncio.to_thread(s["hold"], False)
+            try:
+                before = await asyncio.to_thread(held_total)
+                late = []
+                for tenant in ["team-c"] * 3 + ["team-b"] * 3:
+                    late.append(asyncio.create_task(_complete(client, s, tenant, ids)))
+                    await asyncio.sleep(0.001)  # keeps the arrival order
+                await asyncio.to_thread(wait_until, lambda: held_total() == before + 6, 60,
+                                        0.02)
+                mark = len(await asyncio.to_thread(s["started"]))
+            finally:  # a held engine would stall the module's later tests
+                await asyncio.to_thread(s["hold"], False)
             await asyncio.gather(*flood, *late)
         return ids, mark
 

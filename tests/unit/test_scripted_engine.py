@@ -81,8 +81,7 @@ async def test_context_overflow_is_a_request_error_before_any_chunk():
 async def test_a_held_step_loop_starts_and_emits_nothing_until_released():
     engine = _engine(batch=1)
     await engine.start()
-    idle_hold = asyncio.wait_for(engine.hold_steps(True), 1)
-    await idle_hold  # an idle loop counts as stopped between steps
+    await asyncio.wait_for(engine.hold_steps(True), 1)  # an idle loop counts as stopped
     first = asyncio.create_task(_drain(engine, _request("first", tokens=2)))
     await asyncio.sleep(0.05)  # 50 steps' time: a loop that ignored the hold would finish
     assert engine.started_order() == [] and not first.done()
@@ -95,8 +94,12 @@ async def test_a_held_step_loop_starts_and_emits_nothing_until_released():
         async for chunk in engine.generate(_request("second", tokens=60)):
             chunks.append(chunk)
 
+    async def first_token() -> None:
+        while not chunks:
+            await asyncio.sleep(0.001)
+
     second = asyncio.create_task(collect())
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(first_token(), 5)
     await asyncio.wait_for(engine.hold_steps(True), 1)
     seen = len(chunks)
     await asyncio.sleep(0.05)  # 50 steps' time
