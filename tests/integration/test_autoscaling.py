@@ -121,6 +121,7 @@ def test_cold_model_serves_five_requests_from_zero(scaled):
     assert worst <= cold_start + 3.0
 
 
+@pytest.mark.long  # two minutes of flood, scale-out and scale-in: `make test-long`
 def test_flood_scales_out_to_two_replicas_and_back_without_cutting_streams(scaled, stack):
     from ray import serve
 

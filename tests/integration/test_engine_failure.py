@@ -121,6 +121,7 @@ def _serves_again(client: httpx.Client, model: str, within_s: float) -> list:
     raise AssertionError(f"no recovery in {within_s} s: {seen}")
 
 
+@pytest.mark.long  # the stall watch's scenarios take a minute each: `make test-long`
 def test_a_hung_engine_core_is_killed_by_the_stall_watch_and_the_replica_recovers(stack):
     """SIGSTOP on the engine core under a stream: it neither steps nor dies, as a pipeline
     stage blocked on a peer whose node is gone. Within the model's engine_stall_timeout_s and a
@@ -159,6 +160,7 @@ def test_a_hung_engine_core_is_killed_by_the_stall_watch_and_the_replica_recover
           f"(engine_stall_timeout_s={ENGINE_STALL_S}); answers until served again: {seen}")
 
 
+@pytest.mark.long
 def test_a_90_s_step_under_the_default_stall_watch_does_not_kill_the_engine(stack):
     """The stall watch's production defaults (the GPU floor, two checks in a row) in front of
     a scripted engine whose first step takes 90 s, longer than the old 60 s timeout: Serve's

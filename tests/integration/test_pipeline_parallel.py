@@ -11,7 +11,7 @@ the replica's engine core, inside the replica's placement group (one bundle, one
     goes the same way, through the stall watch;
 (d) the vLLM CPU build refuses the Ray executor, so a CPU replica cannot put its stages on two
     Ray nodes; the test pins the refusal (exact message), so a vLLM that lifts it shows up here.
-(b) and (c) restart the replica (a minute and more each on two cores): `make test-parallel` runs
+(b) and (c) restart the replica (a minute and more each on two cores): `make test-long` runs
 them, with test_pipeline_parallel_two_nodes.py (the node of a PP replica lost under a stream).
 """
 
@@ -43,12 +43,6 @@ PROMPTS = ["The quick brown fox", "Pipeline stages pass activations", "012345678
 # The stall watch's floor for this app: short, the tiny model's steps take milliseconds.
 STALL_S = 10.0
 LONG = {"max_tokens": 1900, "ignore_eos": True}
-# Tests that restart PP replicas (a minute and more each on two cores) run in
-# `make test-parallel` (.ci/run runs it after `make test`), which sets this.
-PARALLEL_ENV = "SERVE_APP_PARALLEL_TESTS"
-long_parallel = pytest.mark.skipif(
-    not os.environ.get(PARALLEL_ENV), reason=f"restarts PP replicas: `make test-parallel` "
-    f"runs it ({PARALLEL_ENV}=1)")
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +152,8 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@long_parallel
+# Restarts PP replicas (a minute and more each on two cores): `make test-long`.
+@pytest.mark.long
 @pytest.mark.parametrize("fault", ["killed", "stopped"])
 def test_a_lost_stage_ends_its_streams_and_the_replica_is_replaced(stack, pp2, fault):
     """Stage 1's worker is killed (its node lost) or stopped (blocked on a lost peer) under a

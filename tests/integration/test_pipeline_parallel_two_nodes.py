@@ -29,9 +29,9 @@ from .conftest import REPO, wait_until
 from .load import greedy_completions
 from .local_cluster import (actors, alive, app_status, free_port, placement_groups,
                             running_cluster, serve_app_cli)
-from .test_pipeline_parallel import PROMPTS, long_parallel
+from .test_pipeline_parallel import PROMPTS
 
-pytestmark = [pytest.mark.integration, long_parallel]
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 MODEL = "tiny-llama-pp2"
 STAGES = ("EngineCore", "Worker_PP0", "Worker_PP1")

@@ -29,7 +29,8 @@ from .load import (assert_only_in_flight_failed, finish, ok_count, start, stream
 from .local_cluster import (actors, alive, app_status, free_port, process_tree,
                             running_cluster, serve_app_cli)
 
-pytestmark = pytest.mark.integration
+# Minutes of node starts, rolls and a node loss: `make test-long`.
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 MODEL = "tiny-llama"
 
