@@ -25,9 +25,9 @@ moves or changes it (Ray is pinned; read those tests before bumping it).
   its own (``DeploymentBroadcastResponse._fetch_replica_results_async`` and each
   ``ReplicaResult.get_async``): the public ``results_async`` bounds the whole broadcast, so one
   slow replica failed the poll of every replica.
-* :func:`kv_put` / :func:`kv_get` / :func:`kv_list`: Ray's internal key-value store (the GCS),
-  where the live tenant list, the last deployed config, the audit log and the tenants' token
-  budget spend live (``ray.experimental.internal_kv``).
+* :func:`kv_put` / :func:`kv_get` / :func:`kv_list` / :func:`kv_del`: Ray's internal key-value
+  store (the GCS), where the live tenant list, the last deployed config, the audit log and the
+  tenants' token budget spend live (``ray.experimental.internal_kv``).
 """
 
 from __future__ import annotations
@@ -122,6 +122,13 @@ def kv_get(key: str) -> bytes | None:
     return raw or None
 
 
+def kv_del(key: str) -> None:
+    """Delete ``key`` from the cluster's key-value store (nothing if it is absent)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(key.encode(), namespace=_KV_NAMESPACE)
+
+
 def kv_list(prefix: str) -> list[str]:
     """The keys stored under ``prefix`` (each router replica's budget record of a tenant)."""
     from ray.experimental.internal_kv import _internal_kv_list
@@ -130,5 +137,5 @@ def kv_list(prefix: str) -> list[str]:
             for k in _internal_kv_list(prefix.encode(), namespace=_KV_NAMESPACE)]
 
 
-__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_get", "kv_list", "kv_put", "on_data_plane",
+__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_del", "kv_get", "kv_list", "kv_put", "on_data_plane",
            "probe_queue_lens", "route_on_serve_loop", "uses_grpc", "with_version"]

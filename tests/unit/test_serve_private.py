@@ -85,10 +85,10 @@ def test_private_pow_2_router_still_has_choose_replicas():
 
 
 def test_private_internal_kv_functions_still_exist():
-    """``ray.experimental.internal_kv._internal_kv_put/_get/_list`` with a namespace."""
+    """``ray.experimental.internal_kv._internal_kv_put/_get/_list/_del`` with a namespace."""
     from ray.experimental import internal_kv
 
-    for name in ("_internal_kv_put", "_internal_kv_get", "_internal_kv_list"):
+    for name in ("_internal_kv_put", "_internal_kv_get", "_internal_kv_list", "_internal_kv_del"):
         assert "namespace" in inspect.signature(getattr(internal_kv, name)).parameters, name
 
 
