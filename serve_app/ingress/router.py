@@ -66,7 +66,6 @@ class OpenAIRouter:
         servers = {name: on_data_plane(h) for name, h in servers.items()}
         gate = TenantGate(config_, app_name)
         self.tenants = LiveTenants(config_, gate, app_name)
-        self.cards = ModelCards(servers)
         adm = settings.admission
         # Until the first load poll the model may have no replica: one request goes through
         # (it wakes a model scaled to zero), the rest wait for the feed's first answer.
@@ -85,6 +84,8 @@ class OpenAIRouter:
                                 upper_bound=settings.max_in_flight_per_model),
                 adm, router_id, on_poll=gate.engines_polled)
             for m in config_.models}
+        # Cards from the config and the feeds' view: listing models never wakes one at zero.
+        self.cards = ModelCards(feeds, {m.name: m.max_model_len for m in config_.models})
         # Streams' chunks after the first come batched per replica (serve_app/engine/channel.py).
         channels = ({m.name: ModelChannels(m.name, servers[m.name], router_id)
                      for m in config_.models} if settings.output_channels else {})
