@@ -44,6 +44,10 @@ class GovernanceSettings(_Strict):
     """Billing and audit of tenants (issue 29)."""
 
     usage: UsageSettings = Field(default_factory=UsageSettings)
+    audit_retention_days: float = Field(
+        365, gt=0, description="How long the audit trail keeps a record of a change of tenants "
+        "or config (one record per deploy, in the cluster's key-value store; "
+        "serve_app/observability/audit.py). Older records are removed at the next deploy.")
     quota_scope: Literal["cluster", "replica"] = Field(
         "cluster", description="`cluster`: one quota state for the app (a Ray actor), so "
         "every router replica enforces a tenant's whole requests_per_minute and "

@@ -1,10 +1,14 @@
-"""The audit log: one entry per `serve-app deploy` (and stack start) of an app: when, who (OS
-user and host), the config's version, and which tenants were added, removed and changed, by name
-and limits. Never a key digest: a tenant whose keys changed says so and how many it has.
+"""The audit trail: one entry per change of an app's tenants or config (`serve-app run` and
+`deploy`, and the RayService's app builder): when, who (OS user and host), the config's version,
+and which tenants were added, removed and changed, by name and limits. Never a key digest: a
+tenant whose keys changed says so and how many it has.
 
-Entries live in the cluster's key-value store beside the live tenant list (the last
-:data:`KEEP` of them, newest last), so every operator sees the same history; `serve-app status`
-shows the last few. Written by the deploying process, which reads the live list it replaces.
+Append-only: each entry is its own record in the cluster's key-value store, under a key that
+sorts by its time (``<app>/audit/<ns since the epoch>-<random>``), so deploys at the same moment
+from two places both stay (the earlier single read-modify-write value dropped one of them). An
+append removes the records older than the retention (``governance.audit_retention_days``);
+nothing else deletes one. `serve-app status` shows the last few. Written by the deploying
+process, which reads the live list it replaces.
 """
 
 from __future__ import annotations
@@ -12,14 +16,17 @@ from __future__ import annotations
 import getpass
 import hashlib
 import json
+import secrets
 import socket
+import time
 from datetime import datetime, timezone
 from typing import Any
 
 from serve_app.config import TenantSettings
-from serve_app.serve_private import kv_get, kv_put
+from serve_app.serve_private import kv_del, kv_get, kv_list, kv_put
 
-KEEP = 200
+# The retention when the caller names none (governance.audit_retention_days's default).
+DEFAULT_RETENTION_DAYS = 365
 # What an entry may show of a tenant: everything but its key digests.
 _SECRET_FIELDS = {"api_key_sha256"}
 
@@ -78,18 +85,44 @@ def audit_entry(action: str, config: dict[str, Any], tenants_version: str,
             **tenant_changes(before, after)}
 
 
-def _key(app_name: str) -> str:
+def _prefix(app_name: str) -> str:
+    return f"{app_name}/audit/"
+
+
+def _legacy_key(app_name: str) -> str:
+    """The one value earlier releases kept the last 200 entries in (read, never written)."""
     return f"{app_name}/audit"
 
 
-def append_audit(app_name: str, entry: dict[str, Any]) -> None:
-    """Add ``entry`` to ``app_name``'s log, keeping the last :data:`KEEP` (needs Ray). Deploys
-    are run by people, rarely at the same instant; two at once could drop one entry."""
-    kv_put(_key(app_name), json.dumps((read_audit(app_name, KEEP) + [entry])[-KEEP:]).encode())
+def _written_ns(key: str) -> int:
+    """When the record under ``key`` was written (ns since the epoch; 0 if unreadable)."""
+    stamp = key.rsplit("/", 1)[-1].split("-", 1)[0]
+    return int(stamp) if stamp.isdigit() else 0
+
+
+def append_audit(app_name: str, entry: dict[str, Any],
+                 retention_days: float = DEFAULT_RETENTION_DAYS) -> None:
+    """Add ``entry`` to ``app_name``'s trail as a record of its own (needs Ray), and remove the
+    records older than ``retention_days``. Never reads or rewrites another record, so
+    concurrent appends all stay."""
+    now_ns = time.time_ns()
+    kv_put(f"{_prefix(app_name)}{now_ns:020d}-{secrets.token_hex(4)}",
+           json.dumps(entry).encode())
+    oldest = now_ns - int(retention_days * 86400e9)
+    for key in kv_list(_prefix(app_name)):
+        if _written_ns(key) < oldest:
+            kv_del(key)
 
 
 def read_audit(app_name: str, last: int = 5) -> list[dict[str, Any]]:
-    """The last ``last`` entries of ``app_name``'s log, oldest first (needs Ray)."""
-    raw = kv_get(_key(app_name))
-    entries = json.loads(raw) if raw else []
-    return entries[-last:] if last > 0 else []
+    """The last ``last`` entries of ``app_name``'s trail, oldest first (needs Ray); entries an
+    earlier release kept in one value come before every record."""
+    if last <= 0:
+        return []
+    keys = sorted(kv_list(_prefix(app_name)))[-last:]
+    entries = [json.loads(raw) for raw in map(kv_get, keys) if raw]
+    if len(entries) < last:
+        raw = kv_get(_legacy_key(app_name))
+        legacy = json.loads(raw) if raw else []
+        entries = legacy[-(last - len(entries)):] + entries if legacy else entries
+    return entries

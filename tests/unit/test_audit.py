@@ -4,6 +4,7 @@ key-value store)."""
 from __future__ import annotations
 
 import json
+import threading
 from datetime import datetime, timezone
 
 from serve_app.config import TenantSettings
@@ -43,19 +44,83 @@ def test_first_deploy_adds_every_tenant_and_an_unchanged_one_is_not_listed():
     assert tenant_changes(same, same) == {"added": [], "removed": [], "changed": []}
 
 
-def test_entries_keep_the_last_ones_in_the_store(monkeypatch):
-    store: dict[str, bytes] = {}
-    monkeypatch.setattr(audit, "kv_put", store.__setitem__)
-    monkeypatch.setattr(audit, "kv_get", store.get)
-    monkeypatch.setattr(audit, "KEEP", 3)
+class FakeKV:
+    """Ray's KV store as the audit module uses it; ``on_get`` runs after every read, before
+    the value is returned (where a concurrent writer can slip in)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.data: dict[str, bytes] = {}
+        self.on_get = lambda: None
+        monkeypatch.setattr(audit, "kv_put", self.data.__setitem__)
+        monkeypatch.setattr(audit, "kv_get", self.get)
+        monkeypatch.setattr(audit, "kv_list", lambda prefix: [k for k in list(self.data)
+                                                              if k.startswith(prefix)])
+        monkeypatch.setattr(audit, "kv_del", lambda key: self.data.pop(key, None))
+
+    def get(self, key: str) -> bytes | None:
+        value = self.data.get(key)
+        self.on_get()
+        return value
+
+
+def _entry(i: int, now: datetime | None = None) -> dict:
+    return audit_entry("live", {"i": i}, f"v{i}", [], [_t("a", DIGEST_A)], now=now)
+
+
+def test_entries_are_read_back_newest_last(monkeypatch):
+    FakeKV(monkeypatch)
     now = datetime(2026, 12, 3, 12, tzinfo=timezone.utc)
     for i in range(5):
-        append_audit("llm", audit_entry("live", {"i": i}, f"v{i}", [], [_t("a", DIGEST_A)],
-                                        now=now))
-    entries = read_audit("llm", last=10)
+        append_audit("llm", _entry(i, now))
+    entries = read_audit("llm", last=3)
     assert [e["tenants_version"] for e in entries] == ["v2", "v3", "v4"]
     assert read_audit("llm", last=1)[0]["tenants_version"] == "v4"
+    assert len(read_audit("llm", last=10)) == 5
     e = entries[0]
     assert e["time"] == "2026-12-03T12:00:00+00:00" and "@" in e["operator"]
     assert e["action"] == "live" and len(e["config_version"]) == 12
-    assert read_audit("other") == []
+    assert read_audit("other") == [] and read_audit("llm", last=0) == []
+
+
+def test_concurrent_deploys_both_stay_in_the_audit_trail_regression_read_modify_write(
+        monkeypatch):
+    """Two deploys append at the same moment. The trail was one value read, extended and
+    written back: both read it before either wrote, and one entry was lost."""
+    kv = FakeKV(monkeypatch)
+    both_read = threading.Barrier(2, timeout=1)
+
+    def wait_for_the_other() -> None:
+        try:
+            both_read.wait()
+        except threading.BrokenBarrierError:
+            pass  # an append that reads nothing does not meet the other at all
+
+    kv.on_get = wait_for_the_other
+    threads = [threading.Thread(target=append_audit, args=("llm", _entry(i))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    kv.on_get = lambda: None
+    assert sorted(e["tenants_version"] for e in read_audit("llm", last=10)) == ["v0", "v1"]
+
+
+def test_records_past_the_retention_are_removed_at_the_next_append(monkeypatch):
+    FakeKV(monkeypatch)
+    day_ns = 86400 * 10**9
+    clock = [1_800_000_000 * 10**9]
+    monkeypatch.setattr(audit.time, "time_ns", lambda: clock[0])
+    append_audit("llm", _entry(0), retention_days=30)
+    clock[0] += 10 * day_ns
+    append_audit("llm", _entry(1), retention_days=30)
+    clock[0] += 25 * day_ns  # the first is 35 days old now, the second 25
+    append_audit("llm", _entry(2), retention_days=30)
+    assert [e["tenants_version"] for e in read_audit("llm", last=10)] == ["v1", "v2"]
+
+
+def test_entries_of_the_earlier_single_value_come_first(monkeypatch):
+    kv = FakeKV(monkeypatch)
+    kv.data["llm/audit"] = json.dumps([_entry(0), _entry(1)]).encode()
+    append_audit("llm", _entry(2))
+    assert [e["tenants_version"] for e in read_audit("llm", last=10)] == ["v0", "v1", "v2"]
+    assert [e["tenants_version"] for e in read_audit("llm", last=2)] == ["v1", "v2"]
