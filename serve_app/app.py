@@ -200,5 +200,15 @@ def router_view(config: AppConfig) -> AppConfig:
 
 
 def app_builder(args: dict[str, str]) -> Application:
-    """Serve's application builder: ``args["config"]`` is a deployment YAML path."""
-    return build_app(load_config(Path(args.get("config") or DEFAULT_CONFIG)))
+    """Serve's application builder: ``args["config"]`` is a deployment YAML path (its tenants
+    joined by ``SERVE_APP_TENANTS_FILE``'s, the RayService's Secret).
+
+    The declarative path (`serve deploy`, KubeRay's RayService) publishes the config and its
+    tenants like `serve-app deploy` does, with an audit record: the routers and the quota actor
+    follow the published list, and without it a tenant added to the Secret had no limit (50 of
+    50 requests admitted against its 6 per minute) and a lowered limit kept its old value."""
+    from serve_app.ingress.live_config import record_deploy
+
+    config = load_config(Path(args.get("config") or DEFAULT_CONFIG))
+    record_deploy(APP_NAME, config, "rayservice")
+    return build_app(config)

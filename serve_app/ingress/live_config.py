@@ -72,6 +72,35 @@ def read_config(app_name: str) -> dict[str, Any] | None:
     return json.loads(raw) if raw else None
 
 
+def record_deploy(app_name: str, config: AppConfig, action: str) -> str:
+    """Every deploy path's one step before its app goes live (`serve-app run` and `deploy`,
+    and the RayService's app builder): publish ``config`` as the deployed one and its tenants
+    as the live list, which the routers and the quota actor follow, and append an audit record
+    naming the tenants it changed (``action``: start, live, redeploy or rayservice). Returns
+    the tenant list's version. Needs a connected Ray driver or worker.
+
+    The audit record is skipped when neither the config nor the tenants changed (an app
+    builder that runs again for the same config), and a failed audit write is logged, never
+    raised: the change is made, and a lost record must not undo or hide it."""
+    from serve_app.observability.audit import audit_entry, append_audit
+
+    before = read_tenants(app_name)
+    dumped = config.model_dump(mode="json")
+    unchanged = read_config(app_name) == dumped and before is not None \
+        and before[0] == tenants_version(config.tenants)
+    publish_config(app_name, dumped)
+    version = publish_tenants(app_name, config.tenants)
+    if unchanged:
+        return version
+    try:
+        append_audit(app_name, audit_entry(action, dumped, version,
+                                           before[1] if before else None, config.tenants),
+                     config.governance.audit_retention_days)
+    except Exception:
+        logger.exception("could not write the audit record of this deploy")
+    return version
+
+
 class LiveTenants:
     """One router replica's copy of the live tenant list, kept current in the background.
 
