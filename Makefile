@@ -128,7 +128,7 @@ simulate: install
 # bench/out/poll_cost/{runs.json,summary.md}.
 POLL_COST_ARGS ?=
 poll-cost: install
-	$(BIN)/python -m serve_app.bench.poll_cost $(POLL_COST_ARGS)
+	$(BIN)/python -m serve_bench.poll_cost $(POLL_COST_ARGS)
 
 # On a GPU machine with the project installed (`pip install -e ".[gpu]"`; the scripts use
 # `python3`, or PYTHON=...): bare vLLM against the stack, both arms from the engine arguments of

@@ -6,6 +6,10 @@
 # wait_ready took the old server for the new one: a whole arm measured the wrong server (seen
 # 2026-12-02, bench/RESULTS-archive.md section 12).
 
+# The benchmark package (bench/serve_bench, `python -m serve_bench.arms`) is importable without
+# installing the checkout (the GPU hosts put only the repository root on PYTHONPATH).
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+
 require_free_port() {  # port: fail loudly when something listens there
   if python3 - "$1" <<'PY'
 import socket, sys

@@ -53,7 +53,7 @@ def markdown(rows: list[dict], title: str) -> str:
 
 def server_timing(stack: dict) -> str:
     """The stack's own account of its requests' TTFT (``Server-Timing``), p50 per phase."""
-    from serve_app.bench.stats import percentile
+    from serve_bench.stats import percentile
     from serve_app.engine.timing import PHASES
 
     lines = []

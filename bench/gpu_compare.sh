@@ -32,7 +32,7 @@ bench() {  # url arm
   grep -A6 "^## Runs" "$DIR/$2/summary.md" || tail -n 20 "$DIR/$2.log"
 }
 
-BARE_CMD=$($PY -m serve_app.bench.arms "$CONFIG")
+BARE_CMD=$($PY -m serve_bench.arms "$CONFIG")
 echo "== bare vLLM: $BARE_CMD --port 8100"
 T0=$(date +%s)
 require_free_port 8100 || exit 1

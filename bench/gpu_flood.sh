@@ -79,7 +79,7 @@ flood() {  # url arm key-args metrics-args: one flood per load of LOADS, labelle
 for arm in ${ARMS:-bare stack}; do
   T0=$(date +%s)
   if [ "$arm" = bare ]; then
-    BARE_CMD=$($PY -m serve_app.bench.arms "$CONFIG")
+    BARE_CMD=$($PY -m serve_bench.arms "$CONFIG")
     echo "== bare: $BARE_CMD --port 8100"
     require_free_port 8100 || exit 1
 setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &

@@ -58,7 +58,7 @@ MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$DIR/pai
 ensure_model "$DIR/paired.yaml"
 
 require_free_port 8100 && require_free_port 8000 || exit 1
-BARE_CMD=$($PY -m serve_app.bench.arms "$DIR/paired.yaml")
+BARE_CMD=$($PY -m serve_bench.arms "$DIR/paired.yaml")
 echo "== bare vLLM: $BARE_CMD --port 8100"
 T0=$(date +%s)
 setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &

@@ -119,7 +119,7 @@ finish() {
 for arm in ${ARMS:-bare channels per-chunk}; do
   T0=$(date +%s)
   if [ "$arm" = bare ]; then
-    BARE_CMD=$($PY -m serve_app.bench.arms "$CONFIG")
+    BARE_CMD=$($PY -m serve_bench.arms "$CONFIG")
     echo "== bare vLLM: $BARE_CMD --port 8100"
     require_free_port 8100 || exit 1
     setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &

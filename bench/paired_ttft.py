@@ -36,9 +36,9 @@ from pathlib import Path
 
 import aiohttp
 
-from serve_app.bench.client import Target, send_one
-from serve_app.bench.stats import RequestRecord, paired_difference, percentile
-from serve_app.bench.workload import Tenant, iter_plan
+from serve_bench.client import Target, send_one
+from serve_bench.stats import RequestRecord, paired_difference, percentile
+from serve_bench.workload import Tenant, iter_plan
 from serve_app.observability.metrics import metric, vllm_native_name
 
 # vLLM's request histograms (seconds) read from server A's /metrics, and the Server-Timing

@@ -7,6 +7,7 @@ Import paths for Serve:
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -136,15 +137,36 @@ def router_actor_options(config: AppConfig) -> dict[str, Any]:
     return options
 
 
+# Model fields no engine replica reads, left out of the engines' version: changing them rolls no
+# engine. tests/unit/test_deployment_versions.py checks that the engine's code reads none of them.
+# * autoscaling: Serve options (num_replicas, autoscaling_config), applied in place; in the
+#   version they replaced every engine to scale a model from two replicas to one.
+# * routing: read where requests are routed, in the routers' handles (the router's version).
+# * max_ongoing_requests: Serve's option of that name. Serve applies it in place
+#   (NeedsActorReconfigure: the controller calls reconfigure() on each running replica, whose
+#   request cap follows, and tells the handles); the `fixed` capacity policy of the routers
+#   reads it too, and it stays in the router's version.
+# * drain_timeout_s: Serve's graceful_shutdown_timeout_s (NeedsReconfigure: the controller's own
+#   record of each replica, read when it stops one). No replica reads it.
+ENGINE_UNREAD_FIELDS = frozenset({"autoscaling", "routing", "max_ongoing_requests",
+                                  "drain_timeout_s"})
+# Model fields only Serve reads: in no version at all.
+SERVE_ONLY_FIELDS = frozenset({"drain_timeout_s"})
+
+
 def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS
                         ) -> dict[str, str]:
-    """Serve deployment name -> the version :func:`build_app` gives it (pure; unit-tested)."""
-    # Replica counts and autoscaling are Serve options, applied in place: in a version they
-    # replaced every engine (and router) replica to scale a model from two replicas to one.
-    # Routing is read where requests are routed, in the routers' handles, which read it once:
-    # a routing change rolls the routers (it is in their version), never the engines.
+    """Serve deployment name -> the version :func:`build_app` gives it (pure; unit-tested).
+
+    A version is made of what the deployment's replicas read of the config and the code they
+    run (:func:`code_digest`): an engine's, of its model's settings less
+    :data:`ENGINE_UNREAD_FIELDS`, its engine class and the files of ``serve_app`` an engine
+    replica imports (not the router's, not ``bench/``); the router's, of :func:`router_view`
+    less the live tenants and the Serve-only fields, and the files a router replica imports."""
+    engine_code = {engine_class: code_digest(LLMServer.__module__, engine_class)}
     versions = {llm_server_name(m.name): deployment_version(
-        m.model_dump(mode="json", exclude={"autoscaling", "routing"}), engine_class)
+        m.model_dump(mode="json", exclude=set(ENGINE_UNREAD_FIELDS)), engine_class,
+        code=engine_code[engine_class])
         for m in config.models}
     # Tenants are live (serve_app/ingress/live_config.py): every router replica adopts the
     # published list within a second, so they are no part of the router's version. With them
@@ -155,31 +177,105 @@ def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CL
     router_args.pop("tenants")
     for m in router_args["models"]:  # of autoscaling the router reads its target alone
         m["autoscaling"] = {"target_per_replica": m["autoscaling"]["target_per_replica"]}
+        for name in SERVE_ONLY_FIELDS:
+            m.pop(name)
     versions[ROUTER_DEPLOYMENT] = deployment_version(
-        router_args, sorted(m.name for m in config.models))
+        router_args, sorted(m.name for m in config.models),
+        code=code_digest(OpenAIRouter.func_or_class.__module__, PINNED_ROUTER_CLASS))
     return versions
 
 
-def deployment_version(*init_args: Any) -> str:
-    """A deployment's version: its constructor arguments and the code of ``serve_app``.
+def deployment_version(*init_args: Any, code: str) -> str:
+    """A deployment's version: its constructor arguments and ``code``, the digest of the code
+    its replicas run (:func:`code_digest`).
 
     Serve's public API no longer takes versions (:func:`serve_app.serve_private.with_version`);
     an imperative deploy without one counts every deployment as changed. The code digest
-    makes an upgrade of this package roll every deployment, as it must."""
+    makes an upgrade of the code a replica runs roll that deployment, as it must."""
     digest = hashlib.sha256(json.dumps(init_args, sort_keys=True, default=str).encode())
-    digest.update(_code_digest().encode())
+    digest.update(code.encode())
     return digest.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
-def _code_digest() -> str:
-    """SHA-256 of every source file of the serve_app package (path and content)."""
-    root = Path(__file__).resolve().parent
+_PACKAGE = "serve_app"
+_PACKAGE_ROOT = Path(__file__).resolve().parent
+# A string naming a module of the package ("serve_app.engine.scripted:ScriptedEngine"): an
+# import path handed to importlib or to Serve, counted as an import of that module.
+_IMPORT_PATH = re.compile(r"serve_app(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_.]*)?")
+
+
+@functools.lru_cache(maxsize=None)
+def code_digest(*roots: str) -> str:
+    """SHA-256 (path and content) of the files of ``serve_app`` a replica whose code starts at
+    ``roots`` can run: the modules ``roots`` name (``"pkg.module"`` or an import path
+    ``"pkg.module:Class"``; names outside ``serve_app`` are skipped), every ``serve_app`` module
+    those import, at any depth (at the top or inside a function: a lazy import runs too), or
+    name in a string (an import path), and the ``__init__.py`` of each one's packages.
+
+    The rule: a replica's version changes with the code it imports and with nothing else. The
+    LLMServer deployment starts at ``serve_app.engine.server`` and its engine class; it does
+    not import the router, the ingress, the tenancy or admission code, the CLI or ``bench/``
+    (``serve_bench``, outside this package), so editing those rolls no engine. Files read
+    through anything but an import (data files) are not covered; the package has none on
+    the replicas' paths."""
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
+    for path in sorted(_module_closure(roots)):
+        digest.update(str(path.relative_to(_PACKAGE_ROOT)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def code_files(*roots: str) -> list[Path]:
+    """The files :func:`code_digest` hashes for ``roots``, sorted (for tests and curiosity)."""
+    return sorted(_module_closure(roots))
+
+
+def _module_closure(roots: tuple[str, ...]) -> set[Path]:
+    files: set[Path] = set()
+    pending = [root.split(":")[0] for root in roots]
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen or not (name == _PACKAGE or name.startswith(_PACKAGE + ".")):
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is None:  # an attribute (`from serve_app.config import ModelSettings`)
+            continue
+        files.add(path)
+        parts = name.split(".")
+        pending.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # its packages
+        pending.extend(_imports_of(name, path))
+    return files
+
+
+def _module_file(name: str) -> Path | None:
+    base = _PACKAGE_ROOT.joinpath(*name.split(".")[1:])
+    for path in (base / "__init__.py", base.with_suffix(".py")):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imports_of(name: str, path: Path) -> list[str]:
+    """Module names ``path`` (module ``name``) imports or names in an import-path string;
+    for ``from a import b``, both ``a`` and ``a.b`` (``b`` may be a submodule)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from its package, up level - 1 packages
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            found.append(base)
+            found.extend(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if _IMPORT_PATH.fullmatch(node.value):
+                found.append(node.value.split(":")[0])
+    return found
 
 
 def router_view(config: AppConfig) -> AppConfig:

@@ -7,10 +7,12 @@ YAML and serves until Ctrl-C, then shuts Serve and Ray down cleanly.
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 from serve_app.config import DEFAULT_CONFIG, AppConfig, ConfigError, load_config
 from serve_app.models import MODEL_KINDS, write_model
@@ -165,16 +167,39 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from serve_app.bench.runner import main as bench_main
+# The benchmark tools: subcommand -> (module of the serve_bench package, its entry point, help).
+# They live outside serve_app (bench/serve_bench/) so that editing them rolls no engine
+# (serve_app.app.deployment_versions), and are imported only when their subcommand runs.
+BENCH_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "bench": ("serve_bench.runner", "main",
+              "benchmark an OpenAI endpoint (throughput, TTFT, TPOT, ITL)"),
+    "flood": ("serve_bench.flood", "main",
+              "a flooding tenant beside a quiet one: the quiet one's TTFT"),
+    "chaos": ("serve_bench.chaos", "main", "faults and overload against a local stack "
+              "(disconnect storm, replica kill, overload), with figures"),
+    "simulate": ("serve_bench.simulate_report", "run", "admission at cluster scale on a "
+                 "simulated clock (the real admission classes, modelled engines; no Ray): "
+                 "utilisation, engine waiting, quiet tenant's wait per shape and event"),
+}
 
-    return bench_main(args)
+
+def bench_module(name: str) -> ModuleType:
+    """Import ``name`` from the serve_bench package. Installed (``pip install -e .``) it is on
+    the path; a checkout run from its root without installing (``PYTHONPATH=.``, as on the
+    GPU hosts) finds it in ``bench/`` beside this package."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        bench_dir = Path(__file__).resolve().parents[1] / "bench"
+        if err.name != "serve_bench" or not (bench_dir / "serve_bench").is_dir():
+            raise
+        sys.path.insert(0, str(bench_dir))
+        return importlib.import_module(name)
 
 
-def cmd_flood(args: argparse.Namespace) -> int:
-    from serve_app.bench.flood import main as flood_main
-
-    return flood_main(args)
+def cmd_bench_tool(args: argparse.Namespace) -> int:
+    module, entry, _ = BENCH_COMMANDS[args.command]
+    return int(getattr(bench_module(module), entry)(args))
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
@@ -229,18 +254,6 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     return run_vllm_cli(args.vllm_args)
 
 
-def cmd_chaos(args: argparse.Namespace) -> int:
-    from serve_app.bench.chaos import main as chaos_main
-
-    return chaos_main(args)
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from serve_app.bench.simulate_report import run as simulate_run
-
-    return simulate_run(args)
-
-
 def cmd_haproxy_binary(args: argparse.Namespace) -> int:
     """Write this node's HAProxy wrapper (no kernel splicing) and print its path, for
     ``export RAY_SERVE_HAPROXY_BINARY_PATH=$(serve-app haproxy-binary)`` before ``ray start``."""
@@ -291,32 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)
 
-    p = sub.add_parser("bench", help="benchmark an OpenAI endpoint (throughput, TTFT, TPOT, ITL)")
-    from serve_app.bench.runner import add_arguments
-
-    add_arguments(p)
-    p.set_defaults(func=cmd_bench)
-
-    p = sub.add_parser("flood", help="a flooding tenant beside a quiet one: the quiet one's TTFT")
-    from serve_app.bench.flood import add_arguments as add_flood_arguments
-
-    add_flood_arguments(p)
-    p.set_defaults(func=cmd_flood)
-
-    p = sub.add_parser("chaos", help="faults and overload against a local stack (disconnect "
-                       "storm, replica kill, overload), with figures")
-    from serve_app.bench.chaos import add_arguments as add_chaos_arguments
-
-    add_chaos_arguments(p)
-    p.set_defaults(func=cmd_chaos)
-
-    p = sub.add_parser("simulate", help="admission at cluster scale on a simulated clock (the "
-                       "real admission classes, modelled engines; no Ray): utilisation, engine "
-                       "waiting, quiet tenant's wait per shape and event")
-    from serve_app.bench.simulate_report import add_arguments as add_simulate_arguments
-
-    add_simulate_arguments(p)
-    p.set_defaults(func=cmd_simulate)
+    given = sys.argv[1:] if argv is None else argv
+    for name, (module, _, help_text) in BENCH_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if given[:1] == [name]:  # only the subcommand that runs imports its tool
+            bench_module(module).add_arguments(p)
+        p.set_defaults(func=cmd_bench_tool)
 
     p = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) to a folder")
     p.add_argument("--out", default="dashboards",

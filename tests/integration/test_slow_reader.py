@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from serve_app.bench.slow_client import SLOW_BODY, request_bytes, small_window_socket
+from serve_bench.slow_client import SLOW_BODY, request_bytes, small_window_socket
 from serve_app.launch import router_replica_port
 from tests.integration.conftest import STALL_S, admission_state, engine_load, wait_until
 

@@ -9,8 +9,8 @@ import json
 
 from aiohttp import web
 
-from serve_app.bench.client import Target, run_concurrency
-from serve_app.bench.workload import Tenant, iter_plan, plan
+from serve_bench.client import Target, run_concurrency
+from serve_bench.workload import Tenant, iter_plan, plan
 
 TENANTS = [Tenant("default", None, 1.0)]
 

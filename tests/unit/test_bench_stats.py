@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from serve_app.bench.stats import (
+from serve_bench.stats import (
     SLO,
     RequestRecord,
     percentile,
@@ -12,7 +12,7 @@ from serve_app.bench.stats import (
     summarize,
     summarize_by_tenant,
 )
-from serve_app.bench.workload import gamma_arrivals, parse_length, parse_tenants, plan
+from serve_bench.workload import gamma_arrivals, parse_length, parse_tenants, plan
 
 
 def _rec(start, ttft, gaps, tokens, tenant="a", status=200):
@@ -111,7 +111,7 @@ def test_bad_tenant_spec():
 
 
 def test_recorded_command_never_holds_api_keys():
-    from serve_app.bench.runner import redact_keys
+    from serve_bench.runner import redact_keys
 
     argv = ["--tenant", "a:sk-sa-secret:2", "--tenant=b:sk-sa-other:1", "--tenant", "c::1",
             "--concurrency", "4"]
@@ -126,7 +126,7 @@ def test_paired_difference_recovers_the_gap_under_shared_drift():
     interval under 0.5 ms wide (unpaired, the drift alone spreads each median by ms)."""
     import random
 
-    from serve_app.bench.stats import paired_difference
+    from serve_bench.stats import paired_difference
 
     rng = random.Random(3)
     drift = [30 + 10 * rng.random() for _ in range(64)]  # 30..40 ms, shared within a pair
@@ -143,7 +143,7 @@ def test_paired_difference_recovers_the_gap_under_shared_drift():
 def test_paired_difference_refuses_unpaired_samples():
     import pytest
 
-    from serve_app.bench.stats import paired_difference
+    from serve_bench.stats import paired_difference
 
     with pytest.raises(ValueError):
         paired_difference([1.0, 2.0], [1.0])

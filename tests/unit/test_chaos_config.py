@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve_app.bench import chaos
+from serve_bench import chaos
 from serve_app.config import DEFAULT_CONFIG, load_config
 from serve_app.tenancy.keys import key_digest
 

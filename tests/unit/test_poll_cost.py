@@ -1,11 +1,11 @@
 """The poll-cost bench's pure parts: its record files, the window summaries, the per-call costs
-from two periods, and the extrapolation (serve_app/bench/poll_cost.py)."""
+from two periods, and the extrapolation (bench/serve_bench/poll_cost.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve_app.bench.poll_cost import (
+from serve_bench.poll_cost import (
     LoadCounter,
     Model,
     PollRecord,

@@ -7,15 +7,15 @@ from collections import Counter
 
 import pytest
 
-from serve_app.bench.runner import add_arguments, shared_prefix_shape
-from serve_app.bench.shared_prefix import (
+from serve_bench.runner import add_arguments, shared_prefix_shape
+from serve_bench.shared_prefix import (
     SharedPrefix,
     group_prefix,
     shared_prefix_plan,
     tenant_groups,
     warmup_requests,
 )
-from serve_app.bench.workload import Tenant
+from serve_bench.workload import Tenant
 
 VOCAB = (10, 5000)
 A, B = Tenant("a", None, 0.7), Tenant("b", None, 0.3)

@@ -1,4 +1,4 @@
-"""The cluster simulation (serve_app/bench/simulate*.py) on a small shape: it runs the real
+"""The cluster simulation (bench/serve_bench/simulate*.py) on a small shape: it runs the real
 admission classes on a virtual clock in seconds, and the invariants of issue 27 hold: nothing
 is sent to a replica after its drain began, the engines stay busy while routers hold a
 backlog, and the engines' own waiting queues stay near the headroom."""
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from serve_app.bench.simulate import bars, simulate
-from serve_app.bench.simulate_clock import run_virtual
-from serve_app.bench.simulate_report import table
+from serve_bench.simulate import bars, simulate
+from serve_bench.simulate_clock import run_virtual
+from serve_bench.simulate_report import table
 
 
 def test_the_virtual_clock_jumps_instead_of_sleeping():

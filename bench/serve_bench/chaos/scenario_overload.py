@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from serve_app.bench.chaos.report import Scenario
-from serve_app.bench.chaos.stack import BATCH, HEADROOM, REPLICAS
-from serve_app.bench.chaos.target import Result, Target, client_session, request
-from serve_app.bench.stats import percentile
+from serve_bench.chaos.report import Scenario
+from serve_bench.chaos.stack import BATCH, HEADROOM, REPLICAS
+from serve_bench.chaos.target import Result, Target, client_session, request
+from serve_bench.stats import percentile
 
 
 async def overload(t: Target, factor: int = 5, duration_s: float = 60.0,

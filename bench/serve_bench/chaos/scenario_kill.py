@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from serve_app.bench.chaos.report import Scenario
-from serve_app.bench.chaos.stack import BATCH, HEADROOM, REPLICAS, TENANTS
-from serve_app.bench.chaos.target import Target, client_session, request, wait_until
+from serve_bench.chaos.report import Scenario
+from serve_bench.chaos.stack import BATCH, HEADROOM, REPLICAS, TENANTS
+from serve_bench.chaos.target import Target, client_session, request, wait_until
 
 
 async def replica_kill(t: Target, streams: int = 50, kill_after_s: float = 3.0,

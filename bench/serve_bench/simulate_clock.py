@@ -1,5 +1,5 @@
 """An asyncio event loop on a virtual clock, for the cluster simulation
-(:mod:`serve_app.bench.simulate`).
+(:mod:`serve_bench.simulate`).
 
 ``loop.time()`` is virtual and starts at 0; when nothing is ready, the loop jumps its clock to
 the next timer instead of sleeping, so ``asyncio.sleep(0.02)`` costs no wall time and a run of

@@ -25,7 +25,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from serve_app.bench.workload import PlannedRequest, Tenant, gamma_offsets
+from serve_bench.workload import PlannedRequest, Tenant, gamma_offsets
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The simulated cluster: engine replicas in Serve's replica set, router replicas with the real
-admission classes, and the load poll between them (for :mod:`serve_app.bench.simulate`).
+admission classes, and the load poll between them (for :mod:`serve_bench.simulate`).
 
 Each router holds the real :class:`~serve_app.admission.controller.AdmissionController` and the
 real :class:`~serve_app.admission.feed.EngineFeed` (its handle unused): the simulation only
@@ -25,7 +25,7 @@ from typing import Any
 from serve_app.admission import COLD_START_PROBE, capacity_policy
 from serve_app.admission.controller import AdmissionController, QueueFull, Slot
 from serve_app.admission.feed import ANSWER_DEADLINE_S, EngineFeed
-from serve_app.bench.simulate_engine import EngineShape, SimReplica, SimRequest
+from serve_bench.simulate_engine import EngineShape, SimReplica, SimRequest
 from serve_app.config import AdmissionSettings
 from serve_app.engine.router_reports import DEMAND_REPORT_TTL_S, RouterReports
 from serve_app.tenancy.fair_queue import service_of

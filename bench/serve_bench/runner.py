@@ -14,16 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from serve_app.bench import report
-from serve_app.bench.client import Progress, Target, run_concurrency, run_static
-from serve_app.bench.stats import SLO, service_over_time, summarize, summarize_by_tenant
-from serve_app.bench.shared_prefix import (
+from serve_bench import report
+from serve_bench.client import Progress, Target, run_concurrency, run_static
+from serve_bench.stats import SLO, service_over_time, summarize, summarize_by_tenant
+from serve_bench.shared_prefix import (
     SharedPrefix,
     iter_shared_prefix,
     shared_prefix_plan,
     warmup_requests,
 )
-from serve_app.bench.workload import iter_plan, parse_length, parse_tenants, plan
+from serve_bench.workload import iter_plan, parse_length, parse_tenants, plan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""``serve-app simulate``: runs :mod:`serve_app.bench.simulate` per shape and scenario and prints
+"""``serve-app simulate``: runs :mod:`serve_bench.simulate` per shape and scenario and prints
 the table (bench/RESULTS.md section 27), with issue 27's bars checked per row.
 
 Each shape runs with its own simulated length and poll interval (:data:`SHAPES`): at 64 routers
@@ -20,8 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from serve_app.bench.simulate import SCENARIOS, Result, Workload, bars, simulate
-from serve_app.bench.simulate_engine import EngineShape
+from serve_bench.simulate import SCENARIOS, Result, Workload, bars, simulate
+from serve_bench.simulate_engine import EngineShape
 from serve_app.config import AdmissionSettings
 
 # shape -> (simulated seconds, warm-up seconds, event at, poll interval); --seconds and

@@ -29,7 +29,7 @@ Nothing in the measured code changes.
 Logical CPUs: an engine replica reserves ``cpus_per_replica`` (at least 1) and a router none, so
 Ray is started with ``--num-cpus`` logical CPUs (16) to place 8 engines on a 2-core machine.
 
-usage: python -m serve_app.bench.poll_cost [--routers 1,4,8] [--replicas 1,2,4,8]
+usage: python -m serve_bench.poll_cost [--routers 1,4,8] [--replicas 1,2,4,8]
            [--window-s 10] [--out bench/out/poll_cost]   (run under the integration lock)
 """
 
@@ -48,10 +48,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_app.bench.stats import percentile
+from serve_bench.stats import percentile
 
 DIR_ENV = "SERVE_APP_POLL_COST_DIR"
-HOOK = "serve_app.bench.poll_cost.instrument"  # Ray loads it as module.attribute
+HOOK = "serve_bench.poll_cost.instrument"  # Ray loads it as module.attribute
 MODEL = "scripted-poll"
 ENGINE_FLUSH_S = 0.25  # how often an engine replica appends its counters
 POLL_FLUSH_S = 0.5  # how often a router appends its poll records

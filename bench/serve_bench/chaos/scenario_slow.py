@@ -19,11 +19,11 @@ import time
 
 import aiohttp
 
-from serve_app.bench.chaos.report import Scenario
-from serve_app.bench.chaos.stack import STALL_S, TENANTS
-from serve_app.bench.chaos.target import Target, client_session, stack_idle, wait_until
-from serve_app.bench.slow_client import SLOW_BODY, open_slow_stream
-from serve_app.bench.stats import percentile
+from serve_bench.chaos.report import Scenario
+from serve_bench.chaos.stack import STALL_S, TENANTS
+from serve_bench.chaos.target import Target, client_session, stack_idle, wait_until
+from serve_bench.slow_client import SLOW_BODY, open_slow_stream
+from serve_bench.stats import percentile
 
 
 async def _slow_reader(t: Target, port: int, tenant: str, read: dict[socket.socket, bytes],
@@ -76,11 +76,11 @@ async def slow_readers(t: Target, readers: int = 2, stall_s: float = STALL_S,
     12, so the slow tenant's requests run one at a time (on one engine replica; the other
     tenant's requests get the other); what the slow readers may add is their hold until the
     stall limit cuts them."""
-    from serve_app.bench.client import Target as BenchTarget
-    from serve_app.bench.client import send_one
-    from serve_app.bench.stats import RequestRecord
-    from serve_app.bench.workload import PlannedRequest
-    from serve_app.bench.workload import Tenant as BenchTenant
+    from serve_bench.client import Target as BenchTarget
+    from serve_bench.client import send_one
+    from serve_bench.stats import RequestRecord
+    from serve_bench.workload import PlannedRequest
+    from serve_bench.workload import Tenant as BenchTenant
     from serve_app.launch import router_replica_port
 
     slow, other = list(TENANTS)

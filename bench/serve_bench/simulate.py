@@ -34,9 +34,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from serve_app.bench.simulate_clock import run_virtual
-from serve_app.bench.simulate_cluster import SimCluster, SimRouter
-from serve_app.bench.simulate_engine import EngineShape
+from serve_bench.simulate_clock import run_virtual
+from serve_bench.simulate_cluster import SimCluster, SimRouter
+from serve_bench.simulate_engine import EngineShape
 from serve_app.config import AdmissionSettings, RouterSettings
 
 SCENARIOS = ("steady", "uneven", "scale-up", "drain", "router-restart", "slow-replica")

@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from serve_app.bench.stats import RequestRecord
-from serve_app.bench.workload import PlannedRequest
+from serve_bench.stats import RequestRecord
+from serve_bench.workload import PlannedRequest
 from serve_app.engine.timing import parse_server_timing
 
 

@@ -14,9 +14,9 @@ import time
 
 import aiohttp
 
-from serve_app.bench.chaos.report import Scenario
-from serve_app.bench.chaos.stack import TENANTS
-from serve_app.bench.chaos.target import Target, client_session, request, stack_idle, wait_until
+from serve_bench.chaos.report import Scenario
+from serve_bench.chaos.stack import TENANTS
+from serve_bench.chaos.target import Target, client_session, request, stack_idle, wait_until
 
 
 async def disconnect_storm(t: Target, n: int = 200, after_s: float = 0.5) -> Scenario:

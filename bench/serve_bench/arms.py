@@ -3,7 +3,7 @@
 Both arms are derived from one deployment config, so a difference in flags (ray PR #55159: a
 wrapper silently got max_num_seqs=128 instead of 1024) cannot creep in.
 
-usage: python -m serve_app.bench.arms deployments/gpu-1.yaml
+usage: python -m serve_bench.arms deployments/gpu-1.yaml
   -> prints `env K=V ... vllm serve` arguments: the model's engine_env, then the engine flags
 """
 

@@ -1,5 +1,5 @@
 """The simulated engine replica: batch slots with step times, reporting an ``EngineLoad`` as
-the real LLMServer does (for :mod:`serve_app.bench.simulate`).
+the real LLMServer does (for :mod:`serve_bench.simulate`).
 
 One engine runs at most ``max_num_seqs`` requests; each step processes at most
 ``step_tokens`` tokens: one per decoding request, then chunks of prompts (those in a partial

@@ -19,16 +19,16 @@ and run (exit 1 if a bound is missed). The figures go to bench/RESULTS.md with t
 that produced them. The names below are the package's public surface.
 """
 
-from serve_app.bench.chaos.cli import add_arguments, main
-from serve_app.bench.chaos.report import Scenario, write_report
-from serve_app.bench.chaos.report import _markdown  # noqa: F401 (the unit test renders with it)
-from serve_app.bench.chaos.scenario_kill import replica_kill
-from serve_app.bench.chaos.scenario_overload import overload
-from serve_app.bench.chaos.scenario_slow import slow_readers
-from serve_app.bench.chaos.scenario_storm import disconnect_storm
-from serve_app.bench.chaos.stack import (BATCH, HEADROOM, QUEUE, REPLICAS, STALL_S, TENANTS,
+from serve_bench.chaos.cli import add_arguments, main
+from serve_bench.chaos.report import Scenario, write_report
+from serve_bench.chaos.report import _markdown  # noqa: F401 (the unit test renders with it)
+from serve_bench.chaos.scenario_kill import replica_kill
+from serve_bench.chaos.scenario_overload import overload
+from serve_bench.chaos.scenario_slow import slow_readers
+from serve_bench.chaos.scenario_storm import disconnect_storm
+from serve_bench.chaos.stack import (BATCH, HEADROOM, QUEUE, REPLICAS, STALL_S, TENANTS,
                                          chaos_config)
-from serve_app.bench.chaos.target import REFUSED, Result, Target, request
+from serve_bench.chaos.target import REFUSED, Result, Target, request
 
 __all__ = ["BATCH", "HEADROOM", "QUEUE", "REFUSED", "REPLICAS", "STALL_S", "TENANTS", "Result",
            "Scenario", "Target", "add_arguments", "chaos_config", "disconnect_storm",

@@ -16,13 +16,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from serve_app.bench.chaos.report import Scenario, write_report
-from serve_app.bench.chaos.scenario_kill import replica_kill
-from serve_app.bench.chaos.scenario_overload import overload
-from serve_app.bench.chaos.scenario_slow import slow_readers
-from serve_app.bench.chaos.scenario_storm import disconnect_storm
-from serve_app.bench.chaos.stack import REPLICAS, STALL_S, chaos_config
-from serve_app.bench.chaos.target import Target, wait_until
+from serve_bench.chaos.report import Scenario, write_report
+from serve_bench.chaos.scenario_kill import replica_kill
+from serve_bench.chaos.scenario_overload import overload
+from serve_bench.chaos.scenario_slow import slow_readers
+from serve_bench.chaos.scenario_storm import disconnect_storm
+from serve_bench.chaos.stack import REPLICAS, STALL_S, chaos_config
+from serve_bench.chaos.target import Target, wait_until
 from serve_app.config import DEFAULT_CONFIG, load_config
 
 
