@@ -105,11 +105,12 @@ def llm_server_options(m: ModelSettings) -> dict[str, Any]:
 def build_app(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS) -> Application:
     """The Serve application for ``config``; ``engine_class`` injects the engine (tests).
 
-    Each deployment carries a version made of its constructor arguments and this package's
-    code (:func:`deployment_version`). On a redeploy Serve replaces only the replicas whose
-    version changed and applies option changes (replica counts, autoscaling) in place:
-    engine arguments roll the engines behind routers that stay, router settings roll the
-    routers and leave the engines (minutes of GPU start-up) alone. Without versions Serve
+    Each deployment carries a version made of what its replicas read of the config and the
+    code they run (:func:`deployment_versions`). On a redeploy Serve replaces only the
+    replicas whose version changed and applies option changes (replica counts, autoscaling,
+    max_ongoing_requests, the drain timeout) in place: engine arguments roll the engines
+    behind routers that stay, router settings roll the routers and leave the engines
+    (minutes of GPU start-up) alone. Without versions Serve
     replaces every replica of an imperatively deployed app on every deploy. (Serve's
     declarative path, `serve deploy` and KubeRay's RayService, gives every deployment the
     config's code version instead and ignores these.)"""
@@ -148,6 +149,7 @@ def router_actor_options(config: AppConfig) -> dict[str, Any]:
 #   reads it too, and it stays in the router's version.
 # * drain_timeout_s: Serve's graceful_shutdown_timeout_s (NeedsReconfigure: the controller's own
 #   record of each replica, read when it stops one). No replica reads it.
+# engine_stall_timeout_s stays in: the engine's stall watch reads it (engine/stall.py).
 ENGINE_UNREAD_FIELDS = frozenset({"autoscaling", "routing", "max_ongoing_requests",
                                   "drain_timeout_s"})
 # Model fields only Serve reads: in no version at all.
@@ -163,10 +165,10 @@ def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CL
     :data:`ENGINE_UNREAD_FIELDS`, its engine class and the files of ``serve_app`` an engine
     replica imports (not the router's, not ``bench/``); the router's, of :func:`router_view`
     less the live tenants and the Serve-only fields, and the files a router replica imports."""
-    engine_code = {engine_class: code_digest(LLMServer.__module__, engine_class)}
+    engine_code = code_digest(LLMServer.__module__, engine_class)
     versions = {llm_server_name(m.name): deployment_version(
         m.model_dump(mode="json", exclude=set(ENGINE_UNREAD_FIELDS)), engine_class,
-        code=engine_code[engine_class])
+        code=engine_code)
         for m in config.models}
     # Tenants are live (serve_app/ingress/live_config.py): every router replica adopts the
     # published list within a second, so they are no part of the router's version. With them

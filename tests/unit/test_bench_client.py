@@ -94,3 +94,24 @@ def test_duration_run_draws_only_the_requests_it_sends():
         assert len(state["prompts"]) == len(records)
 
     asyncio.run(scenario())
+
+
+def test_the_cli_imports_the_benchmark_package_only_for_its_subcommands(capsys):
+    """serve_bench lives outside serve_app (bench/serve_bench/); `serve-app run`, `keys` and
+    the rest must not need it, `serve-app bench` and the other tools find it."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from serve_app.cli import BENCH_COMMANDS, main
+
+    code = ("import sys; from serve_app.cli import main; main(['keys', 'new', 't']); "
+            "print(sorted(m for m in sys.modules if m.startswith('serve_bench')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
+    for command in BENCH_COMMANDS:
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert f"usage: serve-app {command}" in capsys.readouterr().out
