@@ -78,6 +78,14 @@ class RouterSettings(_Strict):
         "fair queue.",
     )
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    budget_reserve_max_tokens: int = Field(
+        512, ge=1, description="Completion tokens a request of a tenant with a `token_budget` "
+        "reserves per choice at admission when it sets no `max_tokens` (chat requests often "
+        "do not); one that sets it reserves exactly that. A request is admitted while the "
+        "budget's spend plus the reservations in flight is below it, so concurrent requests "
+        "spend at most the budget plus one reservation; one that generates past this guess "
+        "can overshoot by the excess (serve_app/tenancy/budget.py).",
+    )
     queue_policy: Literal["fair", "fifo"] = Field(
         "fair", description="Order of requests waiting in the router: `fair` (priority bands, "
         "then the least-served tenant) or `fifo` (arrival order; the baseline to compare with).",

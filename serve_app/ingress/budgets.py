@@ -4,7 +4,12 @@ Each router replica writes its own spend of a (tenant, window) under
 ``<app>/budget/<tenant>/<window>/<replica>`` and reads every record of the window back, in the
 background every ``SYNC_S`` (never on a request's path). The records outlive router replicas and
 redeploys, so neither refills a budget; they live as long as the GCS does (a head node restarted
-without GCS fault tolerance loses them, as it loses the live tenant list).
+without GCS fault tolerance loses them, as it loses the live tenant list), or until their window
+has passed: each router replica deletes every record of a past window (any tenant's, any
+replica's, tenants removed since included) when it first syncs and whenever a window ends, so
+the store holds one record per tenant, current window and router replica, not one per day
+forever. Only windows *before* the replica's current one are deleted: a replica whose clock
+lags never deletes a record another has started for the next day.
 
 :meth:`BudgetSync.ready` is awaited before a request's quota check: a router replica that just
 started (or just got a tenant with a budget) reads the store once before it admits anyone with a
@@ -22,16 +27,20 @@ from datetime import datetime, timezone
 from typing import Any
 
 from serve_app.config import TenantSettings
-from serve_app.serve_private import kv_get, kv_list, kv_put
-from serve_app.tenancy.budget import BudgetBook, window_of
+from serve_app.serve_private import kv_del, kv_get, kv_list, kv_put
+from serve_app.tenancy.budget import BudgetBook, past_window, window_of
 
 logger = logging.getLogger(__name__)
 
 SYNC_S = 1.0
 
 
+def _root(app_name: str) -> str:
+    return f"{app_name}/budget/"
+
+
 def _prefix(app_name: str, tenant: str, window: str) -> str:
-    return f"{app_name}/budget/{tenant}/{window}/"
+    return f"{_root(app_name)}{tenant}/{window}/"
 
 
 def read_spend(app_name: str, tenant: str, window: str) -> dict[str, int]:
@@ -49,6 +58,30 @@ def read_spend(app_name: str, tenant: str, window: str) -> dict[str, int]:
 
 def write_spend(app_name: str, tenant: str, window: str, replica: str, tokens: int) -> None:
     kv_put(_prefix(app_name, tenant, window) + replica, str(tokens).encode())
+
+
+def current_windows(now: float) -> dict[int, str]:
+    """The current window id of each period, by the id's length (``day``'s are longer)."""
+    ids = (window_of(period, now)[0] for period in ("day", "month"))
+    return {len(w): w for w in ids}
+
+
+def prune_spend(app_name: str, now: float) -> int:
+    """Delete every budget record of a window before the current one (needs Ray); returns how
+    many were deleted. Records whose key does not parse are left alone."""
+    current = current_windows(now)
+    root = _root(app_name)
+    deleted = 0
+    for key in kv_list(root):
+        parts = key[len(root):].split("/")
+        if len(parts) != 3:
+            continue
+        window = parts[1]
+        now_id = current.get(len(window))
+        if now_id is not None and past_window(window, now_id):
+            kv_del(key)
+            deleted += 1
+    return deleted
 
 
 def budget_report(app_name: str, tenants: list[TenantSettings],
@@ -80,6 +113,7 @@ class BudgetSync:
         self.replica = replica
         self._task: asyncio.Task[None] | None = None
         self._round: asyncio.Future[None] | None = None
+        self._pruned: dict[int, str] | None = None  # the windows current at the last prune
 
     async def ready(self, tenant: str) -> None:
         """Return once ``tenant``'s current budget window has been read (at once for a tenant
@@ -108,7 +142,8 @@ class BudgetSync:
             await asyncio.sleep(SYNC_S)
 
     async def sync(self) -> None:
-        """Write this replica's changed records, then read every budgeted tenant's window."""
+        """Write this replica's changed records, then read every budgeted tenant's window;
+        at the first sync and after a window ended, delete past windows' records."""
         for (tenant, window), own in self.book.unwritten().items():
             await asyncio.to_thread(write_spend, self.app_name, tenant, window, self.replica,
                                     own)
@@ -117,3 +152,9 @@ class BudgetSync:
             records = await asyncio.to_thread(read_spend, self.app_name, tenant, window)
             own_stored = records.pop(self.replica, 0)
             self.book.merge(tenant, window, sum(records.values()), own_stored)
+        windows = current_windows(self.book.clock())
+        if windows != self._pruned and self.book.budgeted():
+            deleted = await asyncio.to_thread(prune_spend, self.app_name, self.book.clock())
+            self._pruned = windows
+            if deleted:
+                logger.info("deleted %d token budget records of past windows", deleted)

@@ -4,8 +4,9 @@
    (:meth:`serve_app.ingress.live_config.LiveTenants.authenticate`; 401);
 2. **read**: a bounded body, validated into its OpenAI model (:mod:`serve_app.ingress.http`;
    400/413), and the model resolved for the tenant (404);
-3. **quota**: the tenant's token budget and its rate and token limits, the latter for the whole
-   app through the quota actor's leases (:meth:`TenantGate.acquire`; 429 + Retry-After,
+3. **quota**: the tenant's token budget, reserving the request's most from it, and its rate
+   and token limits, the latter for the whole app through the quota actor's leases
+   (:meth:`Charge.reserve <serve_app.ingress.accounting.Charge.reserve>`; 429 + Retry-After,
    ``insufficient_quota`` for a spent budget);
 4. **admit**: a place in the model's in-flight limit and under the tenant's concurrency cap,
    waiting in the fair queue while there is none (:mod:`serve_app.admission`; 429 when the
@@ -14,10 +15,13 @@
    replica; the first chunk is awaited before the HTTP response starts, so errors the engine
    finds (context too long, bad token ids) are real 4xx status codes, not errors inside a 200;
 6. **stream**: SSE events (later chunks through the output channels,
-   :mod:`serve_app.ingress.channels`) or one JSON body;
+   :mod:`serve_app.ingress.channels`) or one JSON body; the tenant is charged the tokens as
+   the chunks arrive (TPM, budget, fair-share service);
 7. **finish**: once, however the request ended (completed, failed, client gone): the engine
-   work is cancelled if unfinished, the admission place freed, the tenant charged its tokens,
-   and its usage record written.
+   work is cancelled if unfinished, the charge settled (a client that left during prefill
+   pays its prompt), the admission place freed, and its usage record written.
+
+What a request costs and when is :mod:`serve_app.ingress.accounting`'s contract.
 
 Every answer after authentication carries the tenant's ``x-ratelimit-*`` headers.
 
@@ -32,7 +36,6 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -47,10 +50,23 @@ from serve_app.admission.controller import (
 )
 from serve_app.admission.feed import EngineFeed
 from serve_app.config import RouterSettings
-from serve_app.engine.protocol import EngineRequestError, GenerationChunk
+from serve_app.engine.protocol import GenerationChunk
 from serve_app.engine.timing import CACHED_TOKENS, server_timing_header, with_router_phases
+from serve_app.ingress.accounting import (
+    Charge,
+    Progress,
+    completion_limit,
+    estimate_prompt_tokens,
+    record_usage,
+)
 from serve_app.ingress.budgets import BudgetSync
 from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
+from serve_app.ingress.engine_stream import (
+    collect_chunks,
+    first_chunk,
+    first_chunk_of_cold_start,
+    no_flow,
+)
 from serve_app.ingress.errors import OpenAIError
 from serve_app.ingress.http import disconnected, parse_request, read_json_body
 from serve_app.ingress.live_config import LiveTenants
@@ -60,25 +76,11 @@ from serve_app.ingress.stall import StallWatch
 from serve_app.ingress.streaming import GuardedStreamingResponse
 from serve_app.ingress.tenants import TenantGate
 from serve_app.observability.usage import UsageLog
-from serve_app.tenancy.fair_queue import service_of
 from serve_app.tenancy.keys import Tenant
 
 logger = logging.getLogger(__name__)
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
-
-
-@dataclass(slots=True)
-class Progress:
-    """How far one request got, for its usage record: ``time.monotonic()`` readings of its
-    arrival, admission and first chunk, and the prompt tokens the engine's prefix cache held
-    (None where the engine does not say)."""
-
-    arrived: float
-    admitted: float | None = None
-    first_chunk: float | None = None
-    cached_tokens: int | None = None
-    stream: bool = False
 
 
 class RequestPipeline:
@@ -135,14 +137,17 @@ class RequestPipeline:
         self._start_feeds()
         tenant = await self.tenants.authenticate(http_request.headers.get("authorization"))
         label, status, builder, streaming = "", 500, None, False
-        slot = Slot()
+        slot, charge = Slot(), None
         try:
             req = await self._read(http_request, model_cls)
             # Only served names become metric labels: client strings must not grow the series.
             label = req.model if req.model in self.streams else "unknown"
             builder = ResponseBuilder(kind, f"{id_prefix}{uuid.uuid4().hex}", req.model, req.n)
             progress.stream = req.stream
-            response = await self._serve(http_request, req, builder, tenant, slot, progress)
+            charge = Charge(self.gate, tenant, estimate_prompt_tokens(req), completion_limit(
+                req, self.settings.budget_reserve_max_tokens))
+            response = await self._serve(http_request, req, builder, tenant, slot, charge,
+                                         progress)
             status, streaming = response.status_code, isinstance(response, StreamingResponse)
             return response
         except OpenAIError as err:
@@ -156,7 +161,7 @@ class RequestPipeline:
             raise
         finally:
             if not streaming:
-                self._finish(tenant, label, status, builder, slot, progress)
+                self._finish(tenant, label, status, builder, slot, charge, progress)
 
     def _start_feeds(self) -> None:
         """On the first request: publish the queue gauges and start the engine feeds. Gauges
@@ -181,48 +186,31 @@ class RequestPipeline:
         return req
 
     def _finish(self, tenant: Tenant, label: str, status: int,
-                builder: ResponseBuilder | None, slot: Slot, progress: Progress) -> None:
-        """Account an ended request to its tenant, free its admission place, and write its
-        usage record (the same token figures the tenant counters get)."""
-        prompt, completion = (builder.prompt_tokens, builder.completion_tokens) \
-            if builder is not None else (0, 0)
+                builder: ResponseBuilder | None, slot: Slot, charge: Charge | None,
+                progress: Progress) -> None:
+        """Settle an ended request's charge, count it, free its admission place (charging the
+        fair queue the service the flow did not), and write its usage record."""
+        counts = (builder.prompt_tokens, builder.completion_tokens) if builder is not None \
+            else (0, 0)
+        prompt, completion, service = (0, 0, 0.0) if charge is None \
+            else charge.settle(status, *counts)
         self.gate.finish(tenant, label, status, prompt, completion)
-        slot.release(service_of(prompt, completion))
-        if self.usage is not None and self.usage.enabled:
-            self._record_usage(tenant, label, status, builder, prompt, completion, progress)
-
-    def _record_usage(self, tenant: Tenant, model: str, status: int,
-                      builder: ResponseBuilder | None, prompt: int, completion: int,
-                      progress: Progress) -> None:
-        """One usage line: named figures only, never the key or any prompt or output text."""
-        assert self.usage is not None
-        now = time.monotonic()
-        reasons = sorted({c.finish_reason for c in builder.choices if c.finish_reason}) \
-            if builder is not None else []
-
-        def since_arrival(t: float | None) -> float | None:
-            return None if t is None else round(t - progress.arrived, 4)
-
-        self.usage.record(
-            request_id=builder.request_id if builder is not None else None,
-            tenant=tenant.name, model=model, priority=tenant.priority, prompt_tokens=prompt,
-            completion_tokens=completion, cached_tokens=progress.cached_tokens, status=status,
-            finish_reason=",".join(reasons) or None,
-            queue_wait_s=since_arrival(progress.admitted),
-            ttft_s=since_arrival(progress.first_chunk), duration_s=since_arrival(now),
-            stream=progress.stream, n=len(builder.choices) if builder is not None else None)
+        slot.release(service)
+        record_usage(self.usage, tenant, label, status, builder, prompt, completion, progress,
+                     charge is not None and charge.estimated)
 
     async def _serve(self, http_request: Request, req: OpenAIRequest, builder: ResponseBuilder,
-                     tenant: Tenant, slot: Slot, progress: Progress) -> Response:
+                     tenant: Tenant, slot: Slot, charge: Charge, progress: Progress
+                     ) -> Response:
         handle = self.model_handle(req.model, tenant)
         if self.budgets is not None:  # a replica that just started reads the spend first
             await self.budgets.ready(tenant.name)
-        await self.gate.acquire(tenant)  # quota
+        await charge.reserve()  # quota
         # From here until the response starts, watch the client: one that leaves while its
         # request is queued or in prefill frees its place and the engine at once.
         gone = asyncio.ensure_future(disconnected(http_request.receive))
         start = asyncio.ensure_future(self._admit_and_dispatch(handle, req, builder, tenant,
-                                                               slot, progress))
+                                                               slot, charge, progress))
         try:
             await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
@@ -244,24 +232,24 @@ class RequestPipeline:
         if self.settings.server_timing and first.timing:
             headers["Server-Timing"] = server_timing_header(first.timing)
         if req.stream:
-            return self._stream(req, gen, first, ticket, builder, tenant, slot, gone, headers,
-                                progress)
-        return await self._collect_json(gen, first, builder, tenant, gone, headers)
+            return self._stream(req, gen, first, ticket, builder, tenant, slot, charge, gone,
+                                headers, progress)
+        return await self._collect_json(gen, first, builder, tenant, charge, gone, headers)
 
     async def _admit_and_dispatch(self, handle: DeploymentHandle, req: OpenAIRequest,
                                   builder: ResponseBuilder, tenant: Tenant, slot: Slot,
-                                  progress: Progress
+                                  charge: Charge, progress: Progress
                                   ) -> tuple[DeploymentResponseGenerator, GenerationChunk,
                                              ChannelTicket | None]:
         """Wait for an admission place, send the request to the model's deployment, await its
         first chunk. A streamed request's later chunks come through the model's output
         channels when ``router.output_channels`` is on: the ticket says where."""
+        controller = self.admission[req.model]
         try:
-            await slot.acquire(self.admission[req.model], tenant.name, tenant.priority, req.n)
-        except QueueFull:
-            self.gate.refund(tenant)  # refused: the request costs no quota
-            raise OpenAIError(429, f"{req.model} is at capacity and the {tenant.priority}-"
-                              "priority queue is full; retry shortly", code="queue_full",
+            await slot.acquire(controller, tenant.name, tenant.priority, req.n)
+        except QueueFull as full:
+            charge.refund()  # refused: the request costs no quota
+            raise OpenAIError(429, f"{req.model} {full}", code="queue_full",
                               headers={"Retry-After": "1"}) from None
         except NoReplicaInTime:
             raise OpenAIError(503, f"{req.model} has no replica running yet and none started "
@@ -270,6 +258,7 @@ class RequestPipeline:
         arrived = progress.arrived
         admitted = progress.admitted = time.monotonic()
         self.gate.admitted(tenant, req.model, admitted - arrived)
+        charge.admitted(controller.queue)
         generation = req.to_generation(builder.request_id)
         generation.cache_salt = tenant.cache_salt  # from the tenant, never from the client
         generation.priority = slot.priority
@@ -283,13 +272,16 @@ class RequestPipeline:
         # Sent while the model had no live replica: it waits in Serve's handle queue for one to
         # start, which for a model that cannot be placed is forever; bound it like the queue.
         cold = not self.feeds[req.model].replicas
+        charge.dispatched()  # from here the request pays for the engine's work
         gen: DeploymentResponseGenerator = handle.generate.remote(generation)
         try:
             if cold:
-                first = await self._first_chunk_of_cold_start(gen, req.model, arrived)
+                first = await first_chunk_of_cold_start(
+                    gen, req.model, arrived, self.settings.admission.cold_start_timeout_s)
             else:
-                first = await _first_chunk(gen)
+                first = await first_chunk(gen)
             slot.assign(first.replica)  # from now on it counts only while its replica is live
+            charge.flow(first.prompt_tokens, sum(d.num_tokens for d in first.deltas))
             progress.first_chunk = time.monotonic()
             if first.timing and CACHED_TOKENS in first.timing:
                 progress.cached_tokens = int(first.timing[CACHED_TOKENS])
@@ -303,25 +295,9 @@ class RequestPipeline:
                 channels.release(ticket)
             raise
 
-    async def _first_chunk_of_cold_start(self, gen: DeploymentResponseGenerator, model: str,
-                                         arrived: float) -> GenerationChunk:
-        """The first chunk of a request sent while its model had no live replica, within
-        ``cold_start_timeout_s`` of the request's arrival (a request that waited that long in
-        the queue before it was sent gets its 503 at once, not a second full wait)."""
-        timeout_s = self.settings.admission.cold_start_timeout_s
-        left = timeout_s - (time.monotonic() - arrived)
-        try:
-            if left <= 0:
-                raise asyncio.TimeoutError
-            return await asyncio.wait_for(_first_chunk(gen), left)
-        except asyncio.TimeoutError:
-            raise OpenAIError(503, f"{model} has no replica running yet and none started "
-                              f"within {timeout_s:g} s; retry shortly",
-                              headers={"Retry-After": "5"}) from None
-
     def _stream(self, req: OpenAIRequest, gen: DeploymentResponseGenerator,
                 first: GenerationChunk, ticket: ChannelTicket | None, builder: ResponseBuilder,
-                tenant: Tenant, slot: Slot, gone: asyncio.Future[None],
+                tenant: Tenant, slot: Slot, charge: Charge, gone: asyncio.Future[None],
                 headers: dict[str, str], progress: Progress) -> StreamingResponse:
         ended = False
 
@@ -336,18 +312,18 @@ class RequestPipeline:
                     gen.cancel()
                 if ticket is not None:
                     self.channels[req.model].release(ticket)
-                self._finish(tenant, req.model, status, builder, slot, progress)
+                self._finish(tenant, req.model, status, builder, slot, charge, progress)
 
         return GuardedStreamingResponse(
             self._sse(gen, first, ticket, self.channels.get(req.model), builder,
-                      req.include_usage, end),
+                      req.include_usage, end, charge.flow),
             on_abandon=end, stall_watch=self.stall_watch, client_gone=gone,
             media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
 
     async def _collect_json(self, gen: DeploymentResponseGenerator, first: GenerationChunk,
-                            builder: ResponseBuilder, tenant: Tenant,
+                            builder: ResponseBuilder, tenant: Tenant, charge: Charge,
                             gone: asyncio.Future[None], headers: dict[str, str]) -> Response:
-        collect = asyncio.ensure_future(_collect(gen, first, builder))
+        collect = asyncio.ensure_future(collect_chunks(gen, first, builder, charge.flow))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -361,19 +337,21 @@ class RequestPipeline:
             logger.error("engine request failed mid-way", exc_info=collect.exception())
             raise OpenAIError(503, "the model failed while generating; retry shortly",
                               headers={"Retry-After": "1"})
-        # The token figures count this answer's own tokens (settled right after it is sent).
-        headers.update(self.gate.ratelimit_headers(
-            tenant, builder.prompt_tokens + builder.completion_tokens))
+        # The token figures count this answer's own tokens (charged as they came).
+        headers.update(self.gate.ratelimit_headers(tenant))
         return JSONResponse(builder.body(), headers=headers)
 
     @staticmethod
     async def _sse(gen: DeploymentResponseGenerator, first: GenerationChunk,
                    ticket: ChannelTicket | None, channels: ModelChannels | None,
                    builder: ResponseBuilder, include_usage: bool,
-                   end: Callable[[int], None]) -> AsyncIterator[bytes]:
+                   end: Callable[[int], None],
+                   flow: Callable[[int, int], None] | None = None) -> AsyncIterator[bytes]:
         """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
-        The tenant is charged what was generated, however the stream ended."""
+        ``flow`` is told the request's token counts as each chunk arrives (its charge); the
+        tenant is charged what was generated, however the stream ended."""
         status = 499  # until the stream completes or fails: the client went away
+        flow = flow or no_flow
         try:
             yield builder.events(first)
             if not first.finished:
@@ -383,10 +361,14 @@ class RequestPipeline:
                     # chunks wait in the replica's outbox meanwhile.
                     channels.attach(ticket, first.replica)
                     async for chunk in chunks_after_first(gen, ticket):
-                        yield builder.events(chunk)
+                        events = builder.events(chunk)
+                        flow(builder.prompt_tokens, builder.completion_tokens)
+                        yield events
                 else:
                     async for wire in gen:
-                        yield builder.events(GenerationChunk.from_wire(wire))
+                        events = builder.events(GenerationChunk.from_wire(wire))
+                        flow(builder.prompt_tokens, builder.completion_tokens)
+                        yield events
             yield builder.final_events(include_usage)
             status = 200
         except Exception:
@@ -397,44 +379,3 @@ class RequestPipeline:
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
             end(status)
-
-
-async def _collect(gen: DeploymentResponseGenerator, first: GenerationChunk,
-                   builder: ResponseBuilder) -> None:
-    try:
-        builder.add(first)
-        if not first.finished:
-            async for wire in gen:
-                builder.add(GenerationChunk.from_wire(wire))
-    finally:
-        gen.cancel()  # no-op once the stream ended; aborts the engine work if cancelled
-
-
-async def _first_chunk(gen: DeploymentResponseGenerator) -> GenerationChunk:
-    """The request's first chunk; the engine's refusal of the request becomes its 4xx."""
-    try:
-        return GenerationChunk.from_wire(await gen.__anext__())
-    except StopAsyncIteration:
-        raise OpenAIError(503, "the engine ended the request without output") from None
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        engine_error = _engine_error(exc)
-        if engine_error is not None:
-            raise OpenAIError(engine_error.status_code, engine_error.message,
-                              param=engine_error.param, code=engine_error.code) from None
-        logger.exception("engine request failed")
-        raise OpenAIError(503, "the model is unavailable right now; retry shortly",
-                          headers={"Retry-After": "1"}) from None
-
-
-def _engine_error(exc: BaseException) -> EngineRequestError | None:
-    """The EngineRequestError inside ``exc`` as Ray delivers it (wrapped or as its cause)."""
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if isinstance(seen, EngineRequestError):
-            return seen
-        if seen is None:
-            return None
-        seen = getattr(seen, "cause", None) or seen.__cause__
-    return None

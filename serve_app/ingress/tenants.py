@@ -1,5 +1,7 @@
 """The router's tenant gate: who is asking (API key -> tenant), may they use this model, are they
-within their quota; and per-tenant accounting once a request ends (token usage, metrics).
+within their quota (and their budget's reservation); the tenant's token charges as they flow,
+and its metrics once a request ends. What one request owes, and when each of these is called,
+is :mod:`serve_app.ingress.accounting`'s business.
 
 Pure decisions live in :mod:`serve_app.tenancy`; this module turns them into OpenAI errors and
 Ray metrics.
@@ -122,22 +124,35 @@ class TenantGate:
             raise OpenAIError(401, msg, code="invalid_api_key")
         return tenant
 
-    async def acquire(self, tenant: Tenant) -> None:
+    async def acquire(self, tenant: Tenant, reserve_tokens: int = 0) -> int:
         """:meth:`admit`, with the rates of the whole app when the quota is cluster-wide (a
-        call to the quota actor only when this replica's lease of the tenant runs out)."""
+        call to the quota actor only when this replica's lease of the tenant runs out).
+        Returns the budget tokens held for the request (see :meth:`admit`)."""
         if self.cluster is None:
-            return self.admit(tenant)
-        self._check_budget(tenant)
-        self._refuse(await self.cluster.admit(tenant.name))
+            return self.admit(tenant, reserve_tokens)
+        held = self._reserve(tenant, reserve_tokens)
+        try:
+            self._refuse(await self.cluster.admit(tenant.name))
+        except BaseException:  # refused by a rate (or cancelled): nothing stays reserved
+            self.budgets.release(tenant.name, held)
+            raise
+        return held
 
-    def admit(self, tenant: Tenant) -> None:
+    def admit(self, tenant: Tenant, reserve_tokens: int = 0) -> int:
         """Raise 429 with ``Retry-After`` when the tenant is over a quota (``insufficient_quota``
-        once its token budget is spent, ``rate_limit_exceeded`` over a rate) by this replica's
-        own buckets; else admit."""
-        self._check_budget(tenant)
-        self._refuse(self.quotas.admit(tenant.name))
+        once its token budget is used up by its spend and its requests in flight,
+        ``rate_limit_exceeded`` over a rate) by this replica's own buckets; else admit, holding
+        ``reserve_tokens`` of its budget, and return what is held (0 without a budget: give it
+        back through :meth:`charge_tokens` or :meth:`refund`)."""
+        held = self._reserve(tenant, reserve_tokens)
+        decision = self.quotas.admit(tenant.name)
+        if not decision.admitted:
+            self.budgets.release(tenant.name, held)
+            self._refuse(decision)
+        return held
 
-    def _check_budget(self, tenant: Tenant) -> None:
+    def _reserve(self, tenant: Tenant, tokens: int) -> int:
+        """Check the budget and hold ``tokens`` of it, with no await between the two."""
         spent = self.budgets.check(tenant.name)
         if spent is not None:
             wait = spent.retry_after_s(time.time())
@@ -145,6 +160,7 @@ class TenantGate:
                               error_type="insufficient_quota",
                               headers={"Retry-After": str(max(1, math.ceil(wait))),
                                        "x-ratelimit-limit-type": "token_budget"})
+        return self.budgets.reserve(tenant.name, tokens)
 
     @staticmethod
     def _refuse(decision: Admission) -> None:
@@ -163,16 +179,32 @@ class TenantGate:
                  if self.cluster is not None else None)
         return ratelimit_headers(*(state or self.quotas.state(tenant.name, pending_tokens)))
 
-    def refund(self, tenant: Tenant) -> None:
-        """Undo :meth:`admit`'s request charge (the request was refused with queue_full)."""
+    def refund(self, tenant: Tenant, held: int = 0) -> None:
+        """Undo :meth:`admit` (the request was refused with queue_full): its request charge
+        and the ``held`` budget tokens go back."""
+        self.budgets.release(tenant.name, held)
         if self.cluster is not None:
             self.cluster.refund(tenant.name)
         else:
             self.quotas.refund(tenant.name)
 
+    def charge_tokens(self, tenant: Tenant, tokens: int, release: int = 0) -> None:
+        """``tenant``'s request used ``tokens`` more (prompt or completion, as they flow): its
+        token quota and budget pay them; ``release``: budget tokens that request held and gives
+        back now (what it just charged, or at its end what it did not use)."""
+        if tokens > 0:
+            name = tenant.name
+            self.quotas.settle(name, tokens)
+            if self.cluster is not None:
+                self.cluster.settle(name, tokens)
+            self.budgets.charge(name, tokens)
+        if release > 0:
+            self.budgets.release(tenant.name, release)
+
     def finish(self, tenant: Tenant, model: str, status: int, prompt_tokens: int = 0,
                completion_tokens: int = 0) -> None:
-        """Account one ended request: its status, its tokens and the tenant's token quota."""
+        """Count one ended request in the tenant metrics: its status and tokens (the quota and
+        the budget were charged as the tokens flowed: :meth:`charge_tokens`)."""
         self._requests.inc(tags={"tenant": tenant.name, "model": model, "status": str(status)})
         if prompt_tokens:
             self._tokens.inc(prompt_tokens,
@@ -180,7 +212,3 @@ class TenantGate:
         if completion_tokens:
             self._tokens.inc(completion_tokens,
                              tags={"tenant": tenant.name, "model": model, "kind": "completion"})
-        self.quotas.settle(tenant.name, prompt_tokens + completion_tokens)
-        if self.cluster is not None:
-            self.cluster.settle(tenant.name, prompt_tokens + completion_tokens)
-        self.budgets.charge(tenant.name, prompt_tokens + completion_tokens)

@@ -1,10 +1,13 @@
-"""The usage record: one JSON line per finished request, what a platform team bills from.
+"""The usage record: one JSON line per ended request, what a platform team bills from.
 
 Written by each router replica through Python logging (:class:`UsageLog`) to a rotating file of
 its own (``usage-<replica>.jsonl``; several processes rotating one file would lose lines) and,
 if asked, to its stdout. A line holds the request's time, id, tenant, model, priority, prompt,
 completion and cached prompt tokens (null where the engine does not report them), HTTP status,
-finish reason, queue wait, time to first token and duration. It never holds a key, a key digest
+finish reason, queue wait, time to first token and duration. Every request that reached an
+engine has one with the tokens it was charged, including a request whose client left (status
+499): one that left during its prefill is billed its prompt's estimate (``prompt_estimated``
+true; :mod:`serve_app.ingress.accounting`), since the engine's count never came. It never holds a key, a key digest
 or any prompt or output text: the record is built from named fields only (:data:`FIELDS`).
 
 Token figures are the same numbers the router adds to its per-tenant Prometheus counters
@@ -31,13 +34,13 @@ from serve_app.config import UsageSettings
 # Every key a usage line has, in order: the record is built from these and nothing else.
 FIELDS = ("time", "request_id", "tenant", "model", "priority", "prompt_tokens",
           "completion_tokens", "cached_tokens", "status", "finish_reason", "queue_wait_s",
-          "ttft_s", "duration_s", "stream", "n")
+          "ttft_s", "duration_s", "stream", "n", "prompt_estimated")
 FILE_PREFIX = "usage-"
 
 
 class UsageLog:
     """Writes usage lines for one router replica (``replica``: a short id for its file name).
-    Contract: :meth:`record` is called once per finished request, on the replica's event loop;
+    Contract: :meth:`record` is called once per ended request, on the replica's event loop;
     a write that fails is logged by Python logging's handler and never fails the request."""
 
     def __init__(self, settings: UsageSettings, replica: str) -> None:

@@ -1,20 +1,30 @@
 """Token budgets over a calendar window: ``token_budget: {tokens: N, period: day|month}``.
 
-A tenant with a budget is charged prompt + completion tokens as each request ends (the same
-figures as its TPM and its usage record). While its window's spend is below ``tokens`` its
-requests are admitted; once spent, every request gets 429 ``insufficient_quota`` (OpenAI's code
-when credit runs out) until the window ends: midnight UTC for ``day``, the first of the month
-(UTC) for ``month``. Like TPM, a tenant can overshoot by what it has in flight when it crosses
-the line: nothing is estimated before a request runs.
+A tenant with a budget is charged prompt + completion tokens as they flow (the same figures as
+its TPM and its usage record; :mod:`serve_app.ingress.accounting`). Each request *reserves* its
+most at admission: its prompt's estimated tokens plus ``n x max_tokens``
+(``router.budget_reserve_max_tokens`` per choice when the client gave no limit). A request is admitted while
+the window's spend plus the tokens reserved by requests in flight is below ``tokens``; its
+reservation shrinks as its tokens are charged, and the unused part is released when it ends.
+Once spent, every request gets 429 ``insufficient_quota`` (OpenAI's code when credit runs out)
+until the window ends: midnight UTC for ``day``, the first of the month (UTC) for ``month``.
+
+So, on one router replica, requests started together spend at most the budget plus the last
+admitted request's reservation (measured before reservations: 200 requests started together
+spent 839x a 1,000-token budget). A request that generates past its reservation (no
+``max_tokens`` and more than ``budget_reserve_max_tokens``) can overshoot by that excess.
 
 The spend must outlive router replicas and redeploys, and several router replicas charge the
 same tenant. So each router replica keeps its own spend per (tenant, window) as one record,
 written under its own key; a tenant's spend is the sum of every record of the window (records of
-replicas that are gone still count). :class:`BudgetBook` is the pure bookkeeping;
-:mod:`serve_app.ingress.budgets` moves records to and from Ray's key-value store.
+replicas that are gone still count). Reservations are local to the replica that holds them:
+they are never written, so a replica that dies leaves only what its requests really used.
+:class:`BudgetBook` is the pure bookkeeping; :mod:`serve_app.ingress.budgets` moves records to
+and from Ray's key-value store, and deletes past windows' records.
 
-With N router replicas, a tenant can pass its budget by what it has in flight plus what the
-other replicas charged since their last record was read (one sync interval, 1 s by default).
+With N router replicas, a tenant can pass its budget by the reservations in flight on the other
+replicas plus what they charged since their last record was read (one sync interval, 1 s by
+default).
 """
 
 from __future__ import annotations
@@ -54,10 +64,19 @@ class BudgetRefusal:
         return max(0.0, self.resets_at - now)
 
 
+def past_window(window: str, current: str) -> bool:
+    """Whether ``window`` (an id of :func:`window_of`) ended before ``current`` of the same
+    period. A window later than ``current`` is not past: a replica whose clock lags must not
+    delete a record another replica has already started for the next day."""
+    return len(window) == len(current) and window < current
+
+
 @dataclass(slots=True)
 class _Spend:
     window: str
+    ends: float = 0.0     # when the window ends (UNIX seconds)
     own: int = 0          # charged by this router replica in the window (its record)
+    held: int = 0         # reserved by this replica's requests in flight (never written)
     others: int = 0       # every other record of the window, as last read
     written: int = 0      # ``own`` as last written to the store (no record: 0)
     read: bool = False    # the store was read for this window at least once
@@ -91,10 +110,16 @@ class BudgetBook:
         limits = self._limits.get(tenant)
         if limits is None or limits.token_budget is None:
             return None
-        window, _ = window_of(limits.token_budget.period, self.clock())
+        now = self.clock()
         spend = self._spend.get(tenant)
+        if spend is not None and now < spend.ends:  # per chunk: no calendar arithmetic
+            return spend
+        window, ends = window_of(limits.token_budget.period, now)
         if spend is None or spend.window != window:  # a new window starts at zero
-            spend = self._spend[tenant] = _Spend(window)
+            # Reservations of requests still running from the last window are dropped: what
+            # they use from now on is charged to the new one.
+            spend = self._spend[tenant] = _Spend(window, ends)
+        spend.ends = ends
         return spend
 
     def spent(self, tenant: str) -> int | None:
@@ -102,14 +127,20 @@ class BudgetBook:
         spend = self._current(tenant)
         return None if spend is None else spend.own + spend.others
 
+    def held(self, tenant: str) -> int:
+        """Tokens reserved by ``tenant``'s requests in flight on this replica (0: no budget)."""
+        spend = self._current(tenant)
+        return 0 if spend is None else spend.held
+
     def check(self, tenant: str) -> BudgetRefusal | None:
-        """None while ``tenant`` may start a request; the refusal once its budget is spent."""
+        """None while ``tenant`` may start a request (its spend plus what its requests in flight
+        reserved is below its budget); the refusal once that is used up."""
         spend = self._current(tenant)
         if spend is None:
             return None
         budget = self._limits[tenant].token_budget
         assert budget is not None
-        if spend.own + spend.others < budget.tokens:
+        if spend.own + spend.others + spend.held < budget.tokens:
             return None
         _, ends = window_of(budget.period, self.clock())
         when = datetime.fromtimestamp(ends, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -118,8 +149,23 @@ class BudgetBook:
             f"{budget.period}; it resets at {when} (in {math.ceil(ends - self.clock())} s)",
             ends)
 
+    def reserve(self, tenant: str, tokens: int) -> int:
+        """Hold ``tokens`` for a request being admitted (call right after :meth:`check` said
+        None, with no await between); returns what is held (0: ``tenant`` has no budget)."""
+        spend = self._current(tenant)
+        if spend is None or tokens <= 0:
+            return 0
+        spend.held += tokens
+        return tokens
+
+    def release(self, tenant: str, tokens: int) -> None:
+        """Give back ``tokens`` of what :meth:`reserve` held (charged or unused)."""
+        spend = self._current(tenant)
+        if spend is not None and tokens > 0:
+            spend.held = max(0, spend.held - tokens)
+
     def charge(self, tenant: str, tokens: int) -> None:
-        """A finished request of ``tenant`` used ``tokens`` (prompt + completion)."""
+        """A request of ``tenant`` used ``tokens`` more (prompt + completion, as they flow)."""
         spend = self._current(tenant)
         if spend is not None and tokens > 0:
             spend.own += tokens

@@ -77,6 +77,8 @@ class FakeStore:
         monkeypatch.setattr(budgets_mod, "kv_get", self.data.get)
         monkeypatch.setattr(budgets_mod, "kv_list",
                             lambda prefix: [k for k in self.data if k.startswith(prefix)])
+        monkeypatch.setattr(budgets_mod, "kv_del", lambda key: self.data.pop(key, None),
+                            raising=False)  # (absent before issue 37)
 
 
 def test_records_of_every_router_replica_add_up_and_survive_a_restart(monkeypatch):
@@ -109,6 +111,44 @@ def test_records_of_every_router_replica_add_up_and_survive_a_restart(monkeypatc
                             "spent": 210, "left": 0, "resets_at": "2026-12-04T00:00:00Z"}}
 
 
+def test_budget_records_are_never_deleted_regression_past_windows_pruned(monkeypatch):
+    """Every (tenant, window, router replica) wrote a record that was never deleted: a year of
+    daily budgets over 10 routers left 3,650 keys per tenant in the GCS. A sync deletes every
+    record of a past window (any replica's, a removed tenant's too) and keeps the current
+    ones, and a later window's (a replica whose clock lags must not delete it)."""
+    store = FakeStore()
+    store.install(monkeypatch)
+    clock = Clock(_ts(2026, 12, 3, 23, 59))
+    tenants = [_tenant("a", tokens=200), _tenant("m", tokens=5000, period="month")]
+    kept = {"llm/budget/a/2026-12-03/r2": b"7", "llm/budget/m/2026-12/r2": b"9",
+            "llm/budget/a/2026-12-04/r3": b"1",  # r3's clock is ahead: past midnight
+            "other-app/budget/a/2026-11-30/r1": b"3"}  # another app's records are its own
+    old = {"llm/budget/a/2026-12-02/r1": b"50", "llm/budget/a/2026-11-30/r9": b"80",
+           "llm/budget/gone/2026-12-01/r1": b"5", "llm/budget/m/2026-11/r1": b"400",
+           "llm/budget/gone/2025-12/r4": b"1"}
+    store.data.update(kept)
+    store.data.update(old)
+
+    async def main() -> None:
+        book = BudgetBook(tenants, clock=clock)
+        sync = BudgetSync(book, "llm", "r1")
+        book.charge("a", 10)
+        await sync.sync()
+        assert set(store.data) == set(kept) | {"llm/budget/a/2026-12-03/r1"}
+        assert book.spent("a") == 10 + 7  # r3's next-day record is not today's spend
+        store.data["llm/budget/a/2026-12-01/r5"] = b"1"  # written late by a lagging replica
+        await sync.sync()  # the same windows: no listing of the whole store every second
+        assert "llm/budget/a/2026-12-01/r5" in store.data
+        clock.t = _ts(2026, 12, 4, 0, 1)  # a new day: yesterday's records go
+        book.charge("a", 3)
+        await sync.sync()
+        assert {k for k in store.data if k.startswith("llm/")} == {
+            "llm/budget/a/2026-12-04/r1", "llm/budget/a/2026-12-04/r3",
+            "llm/budget/m/2026-12/r2"}
+        assert book.spent("a") == 3 + 1
+    asyncio.run(main())
+
+
 def test_an_unreachable_store_fails_open_on_what_the_replica_knows(monkeypatch):
     def down(*_: object) -> None:
         raise ConnectionError("gcs down")
@@ -124,6 +164,24 @@ def test_an_unreachable_store_fails_open_on_what_the_replica_knows(monkeypatch):
     asyncio.run(main())
     book.charge("a", 300)
     assert book.check("a") is not None
+
+
+def test_reservations_count_against_the_budget_until_released():
+    """Requests in flight hold their most; a request is admitted while spend plus holds is
+    below the budget, so the last one admitted may pass it by at most its own reservation."""
+    book = BudgetBook([_tenant(tokens=200)], clock=Clock(_ts(2026, 12, 3, 12)))
+    held = []
+    while book.check("a") is None:
+        held.append(book.reserve("a", 70))
+    assert held == [70, 70, 70] and book.held("a") == 210 and book.spent("a") == 0
+    book.charge("a", 30)  # one request's tokens so far: its hold shrinks as much
+    book.release("a", 30)
+    assert book.check("a") is not None  # 30 spent + 180 held
+    book.release("a", 140)  # two ended having used nothing more
+    assert book.check("a") is None and book.held("a") == 40
+    book.release("a", 1000)  # never below zero
+    assert book.held("a") == 0
+    assert book.reserve("no-budget", 70) == 0
 
 
 def test_the_gate_answers_a_spent_budget_with_insufficient_quota():

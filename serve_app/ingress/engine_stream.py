@@ -1,0 +1,84 @@
+"""Reading one request's Serve stream from its LLMServer replica: the first chunk (the engine's
+refusal of the request becomes its 4xx; a cold start is bounded) and, for a non-streamed
+answer, the rest of the chunks into its response builder, the tenant's charge told of each."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from ray.serve.handle import DeploymentResponseGenerator
+
+from serve_app.engine.protocol import EngineRequestError, GenerationChunk
+from serve_app.ingress.errors import OpenAIError
+from serve_app.ingress.responses import ResponseBuilder
+
+logger = logging.getLogger(__name__)
+
+# Told a request's cumulative (prompt, completion) tokens as its chunks arrive.
+Flow = Callable[[int, int], None]
+
+
+def no_flow(prompt_tokens: int, completion_tokens: int) -> None:
+    pass
+
+
+async def collect_chunks(gen: DeploymentResponseGenerator, first: GenerationChunk,
+                         builder: ResponseBuilder, flow: Flow = no_flow) -> None:
+    """Every chunk of a non-streamed request into ``builder``; ``flow`` after each."""
+    try:
+        builder.add(first)
+        if not first.finished:
+            async for wire in gen:
+                builder.add(GenerationChunk.from_wire(wire))
+                flow(builder.prompt_tokens, builder.completion_tokens)
+    finally:
+        gen.cancel()  # no-op once the stream ended; aborts the engine work if cancelled
+
+
+async def first_chunk(gen: DeploymentResponseGenerator) -> GenerationChunk:
+    """The request's first chunk; the engine's refusal of the request becomes its 4xx."""
+    try:
+        return GenerationChunk.from_wire(await gen.__anext__())
+    except StopAsyncIteration:
+        raise OpenAIError(503, "the engine ended the request without output") from None
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        engine_error = _engine_error(exc)
+        if engine_error is not None:
+            raise OpenAIError(engine_error.status_code, engine_error.message,
+                              param=engine_error.param, code=engine_error.code) from None
+        logger.exception("engine request failed")
+        raise OpenAIError(503, "the model is unavailable right now; retry shortly",
+                          headers={"Retry-After": "1"}) from None
+
+
+async def first_chunk_of_cold_start(gen: DeploymentResponseGenerator, model: str,
+                                    arrived: float, timeout_s: float) -> GenerationChunk:
+    """The first chunk of a request sent while its model had no live replica, within
+    ``timeout_s`` (``cold_start_timeout_s``) of the request's arrival (a request that waited
+    that long in the queue before it was sent gets its 503 at once, not a second full wait)."""
+    left = timeout_s - (time.monotonic() - arrived)
+    try:
+        if left <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(first_chunk(gen), left)
+    except asyncio.TimeoutError:
+        raise OpenAIError(503, f"{model} has no replica running yet and none started "
+                          f"within {timeout_s:g} s; retry shortly",
+                          headers={"Retry-After": "5"}) from None
+
+
+def _engine_error(exc: BaseException) -> EngineRequestError | None:
+    """The EngineRequestError inside ``exc`` as Ray delivers it (wrapped or as its cause)."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if isinstance(seen, EngineRequestError):
+            return seen
+        if seen is None:
+            return None
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    return None
