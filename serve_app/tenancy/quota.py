@@ -1,10 +1,14 @@
 """Per-tenant quotas: requests per minute and tokens per minute, as token buckets.
 
 * RPM: a request takes one token from the tenant's request bucket when admitted.
-* TPM: tokens are debited when a request ends (prompt + completion, exact, from the engine's
-  counts); a request is admitted while the tenant's token bucket is above zero. A tenant can
-  overshoot by what it has in flight, and then waits until the bucket refills: no estimate of the
-  output length is ever needed, and nothing is charged for tokens never produced.
+* TPM: tokens are debited as they flow (prompt + completion, from the engine's counts, per chunk
+  the router receives; a request whose client left during its prefill pays its prompt's
+  estimate: :mod:`serve_app.ingress.accounting`); a request is admitted while the tenant's token
+  bucket is above zero. A tenant can overshoot by what its requests in flight generate before
+  the bucket reaches zero, and then waits until it refills; nothing is charged for tokens never
+  produced. TPM reserves nothing at admission, unlike a token budget: with the cluster-wide
+  quota the charges go to the quota actor in batches that only add (a reservation's unused part
+  could not be given back there), and a rate refills within the minute anyway.
 
 Buckets hold a minute's worth (a full minute's budget may be spent in a burst) and refill
 continuously. With several router replicas each holds ``1/replicas`` of every limit
@@ -160,7 +164,7 @@ class QuotaBook:
                 None if tpm is None else tpm.state(round(tpm.capacity), now, pending_tokens))
 
     def settle(self, tenant: str, tokens: int) -> None:
-        """Charge ``tokens`` (prompt + completion) a finished request of ``tenant`` used."""
+        """Charge ``tokens`` (prompt or completion) a request of ``tenant`` used, as they flow."""
         tpm = self._tpm.get(tenant)
         if tpm is not None and tokens > 0:
             tpm.take(tokens, self.clock())
