@@ -21,6 +21,10 @@ moves or changes it (Ray is pinned; read those tests before bumping it).
   replicas' queue lengths (it also refreshes the router's queue-length cache). The
   prefix-affinity policy compares the candidates' loads, and the public cache forgets a replica
   that has not been chosen for 10 s: without a probe a hot prefix's replica looked alone.
+* :func:`request_backoff`: ``PendingRequest.routing_context.should_backoff`` (Serve's
+  ``RequestRoutingContext``). A request router that offered every candidate and was refused by
+  all sets it so that Serve's routing loop backs off before asking again; without it Serve asks
+  again at once, in a busy loop.
 * :func:`broadcast_each`: ``DeploymentHandle.broadcast`` with each replica's answer bounded on
   its own (``DeploymentBroadcastResponse._fetch_replica_results_async`` and each
   ``ReplicaResult.get_async``): the public ``results_async`` bounds the whole broadcast, so one
@@ -106,6 +110,13 @@ async def probe_queue_lens(router: Any, replicas: list[Any]) -> list[tuple[Any, 
     return await router._probe_queue_lens(replicas, 0)
 
 
+def request_backoff(pending_request: Any) -> None:
+    """Make Serve's routing loop back off (``initial_backoff_s``, growing) before it asks the
+    request router again for ``pending_request``, once the replicas chosen this time all
+    refused it. ``pending_request`` is Serve's ``PendingRequest``."""
+    pending_request.routing_context.should_backoff = True
+
+
 def kv_put(key: str, value: bytes) -> None:
     """Store ``value`` under ``key`` in the cluster's key-value store (needs a connected Ray
     driver or worker); it outlives every replica."""
@@ -137,5 +148,6 @@ def kv_list(prefix: str) -> list[str]:
             for k in _internal_kv_list(prefix.encode(), namespace=_KV_NAMESPACE)]
 
 
-__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_del", "kv_get", "kv_list", "kv_put", "on_data_plane",
-           "probe_queue_lens", "route_on_serve_loop", "uses_grpc", "with_version"]
+__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_get", "kv_list", "kv_put",
+           "on_data_plane", "probe_queue_lens", "request_backoff", "route_on_serve_loop",
+           "uses_grpc", "with_version"]

@@ -28,7 +28,11 @@ from ray.serve.request_router import (
 from serve_app.config.routing import RoutingSettings
 from serve_app.engine.protocol import GenerationRequest
 from serve_app.routing.policy import Candidate, Reason, RoutingPolicy, build_policy
-from serve_app.serve_private import PowerOfTwoChoicesRequestRouter, probe_queue_lens
+from serve_app.serve_private import (
+    PowerOfTwoChoicesRequestRouter,
+    probe_queue_lens,
+    request_backoff,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +128,7 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if pending_request is not None:
             # Every candidate is in the ranks: when all refuse, Serve must back off before
             # asking again (without it, it asks again at once, in a busy loop).
-            pending_request.routing_context.should_backoff = True
+            request_backoff(pending_request)
         return [[by_id[rid]] for rid in choice.ranked if rid in by_id]
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
