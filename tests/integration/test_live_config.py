@@ -156,3 +156,55 @@ def test_router_setting_change_rolls_the_routers_and_leaves_the_engines(stack):
     reply = httpx.post(f"{stack['base']}/v1/completions", headers=stack["headers"], timeout=60,
                        json={"model": stack["model"], "prompt": "hi", "max_tokens": 2})
     assert reply.status_code == 200, reply.text
+
+
+def _engine_serve_options(model: str) -> dict:
+    """The LLMServer deployment's options as Serve's controller holds them now."""
+    from ray.serve.context import _get_global_client
+
+    from serve_app.app import llm_server_name
+    from serve_app.config import APP_NAME
+
+    info, _ = _get_global_client().get_deployment_info(llm_server_name(model), APP_NAME)
+    return info.deployment_config.model_dump()
+
+
+def test_router_only_model_fields_leave_the_engines_and_still_reach_serve(stack):
+    """A model's max_ongoing_requests and drain_timeout_s are Serve options no engine reads
+    (issue 41 item 2): a deploy that changes only them keeps the same engine replicas (in the
+    engines' version they replaced every engine), and Serve holds the new values, applied in
+    place (max_ongoing_requests through reconfigure() on the running replicas). The routers
+    roll: their `fixed` capacity policy reads max_ongoing_requests."""
+    from ray import serve
+
+    from serve_app.config import APP_NAME
+    from serve_app.launch import deploy
+
+    cfg = stack["config"]
+    m = cfg.models[0]
+    changed = cfg.model_copy(update={"models": [m.model_copy(update={
+        "max_ongoing_requests": m.max_ongoing_requests + 1,
+        "drain_timeout_s": m.drain_timeout_s + 1})]})
+    engines_before, routers_before = _replica_actors("LLMServer"), _replica_actors("Router")
+    assert engines_before and routers_before
+
+    def applied(before: set[str], model) -> bool:
+        now = _replica_actors("Router")
+        options = _engine_serve_options(model.name)
+        app = serve.status().applications[APP_NAME]
+        return (bool(now) and not (now & before) and app.status == "RUNNING"
+                and options["max_ongoing_requests"] == model.max_ongoing_requests
+                and options["graceful_shutdown_timeout_s"] == model.drain_timeout_s)
+
+    try:
+        assert deploy(changed, address=None).mode == "redeployed"
+        wait_until(lambda: applied(routers_before, changed.models[0]), 180, 0.5)
+        assert _replica_actors("LLMServer") == engines_before
+    finally:
+        rolled = _replica_actors("Router")
+        assert deploy(cfg, address=None).mode == "redeployed"  # back to the suite's config
+        wait_until(lambda: applied(rolled, m), 180, 0.5)
+    assert _replica_actors("LLMServer") == engines_before
+    reply = httpx.post(f"{stack['base']}/v1/completions", headers=stack["headers"], timeout=60,
+                       json={"model": stack["model"], "prompt": "hi", "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
