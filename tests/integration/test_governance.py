@@ -290,3 +290,39 @@ def test_a_deploy_that_removes_a_tenant_is_in_the_audit_log_and_status(stack):
     for tenant in cfg.tenants:
         for digest in tenant.api_key_sha256:
             assert digest not in text
+
+
+# The scripted-engine app of test_scripted_ordering.py (its engine's steps can be held).
+from .test_scripted_ordering import scripted  # noqa: E402,F401
+
+
+def test_abandoned_prefill_is_free_regression_a_client_gone_before_its_first_token_pays(
+        stack, scripted):
+    """Issue 37: a client that left before its first token was charged nothing and its usage
+    record had no tokens. With the engine's steps held, tenant `team-c`'s request (a prompt of
+    token ids) reaches the engine and gets no first chunk; its client leaves. Its usage record
+    has status 499 and the prompt's tokens (exact for token ids), marked as estimated."""
+    from serve_app.observability.usage import read_records, usage_files
+
+    from .conftest import wait_until
+
+    prompt_ids = [17 + (i * 7) % 400 for i in range(1234)]
+    assert scripted["hold"](True)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{scripted['base']}/v1/completions",
+                       timeout=httpx.Timeout(30, read=1.5),
+                       json={"model": "scripted", "prompt": prompt_ids, "max_tokens": 5},
+                       headers={"Authorization": f"Bearer {stack['keys']['team-c']}"})
+
+        def record() -> dict | None:
+            return next((r for r in read_records(usage_files([stack["usage_dir"]]))
+                         if r["tenant"] == "team-c" and r["model"] == "scripted"
+                         and r["status"] == 499), None)
+
+        rec = wait_until(record, 15, 0.1)
+    finally:
+        scripted["hold"](False)
+    assert rec["prompt_tokens"] == len(prompt_ids), rec
+    assert rec["completion_tokens"] == 0 and rec["prompt_estimated"] is True, rec
+    assert rec["ttft_s"] is None and rec["queue_wait_s"] is not None, rec
