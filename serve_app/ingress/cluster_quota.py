@@ -1,11 +1,9 @@
 """One quota state per cluster: every router replica enforces a tenant's whole RPM and TPM
 together, through one Ray actor, with leases so the hot path makes no remote call per request.
 
-**The actor** (:class:`QuotaState`, one per app, detached, named ``<app>-quota``) holds each
-tenant's request and token buckets at their full size (a :class:`QuotaBook` of share 1 on the
-wall clock). It follows the live tenant list in the cluster's key-value store (the same record
-the routers follow), and checkpoints its buckets there at most every ``CHECKPOINT_S``; an actor
-that is lost and started again (Ray restarts it) restores them, refilled for the time passed.
+**The actor** (:class:`~serve_app.ingress.quota_state.QuotaState`, one per app, detached, named
+``<app>-quota``) holds each tenant's buckets at their full size, follows the live tenant list
+and checkpoints its buckets (see :mod:`serve_app.ingress.quota_state`).
 
 **Router replicas** (:class:`ClusterQuota`) take request tokens in leases: one call takes about a
 second's worth of the tenant's rate divided among the routers (at least one), and requests
@@ -20,177 +18,57 @@ the bucket before it is used; an unused lease is capacity held back for at most
 ``LEASE_TTL_S``, and lost with a replica that dies holding it). Tokens can pass the limit by
 what the tenant has in flight plus what the other replicas charged within the last
 ``FLUSH_S`` (each replica sees its own charges at once), as with one replica plus that window.
-If the actor cannot be reached within ``CALL_TIMEOUT_S``, the replica falls back to its local
-share (1/N of every limit, the replica's own buckets) with a warning, and tries the actor again
-after ``RETRY_S``; the routers' charges made meanwhile are reported when it answers again. The
-share starts from the actor's last word, not full: each tenant this replica has seen gets 1/N
+
+**The failure rule** (one, for an actor that fails and one that hangs): a call that gets no
+answer within ``CALL_TIMEOUT_S`` (or fails) starts an *outage* of this replica. At once, every
+request waiting on the actor (the calls in flight beside it, and the tenant's requests queued
+behind its call) is admitted from the replica's local share (1/N of every limit, the replica's
+own buckets), and so is every later request: none calls the actor again one by one. There is
+at most one lease call in flight per tenant (the others wait for its answer, never for a call
+of their own), and the batched report is not sent beside a call still unanswered, so no
+request waits on the actor for more than ``CALL_TIMEOUT_S``. During the outage one
+background call (a report, carrying the usage charged meanwhile) probes the actor every
+``RETRY_S``; its answer ends the outage: the replica's leases take the actor's word again and
+the charges made meanwhile are in the actor's buckets. :attr:`ClusterQuota.degraded` (and the
+``serve_app_quota_degraded`` gauge, alert ``ServeAppQuotaDegraded``) is 1 during an outage.
+The share starts from the actor's last word, not full: each tenant this replica has seen gets 1/N
 of what the actor said was left (refilled to now), plus its unused lease, less its unreported
 usage, so losing the actor refills nobody. A tenant the replica had not seen starts its share
 full: during an outage, a tenant can pass its limit by the shares of the replicas that had not
-served it.
+served it. A call abandoned on time-out may still run on the actor later: a lease it takes is
+capacity held back until the bucket refills, and charges it carried are sent again (they
+count twice rather than never).
+
+The calls, their time-outs and outages are :class:`~serve_app.ingress.quota_link.ActorLink`'s;
+the replica's first call waits up to ``STARTUP_TIMEOUT_S``: it may create the actor, whose
+worker takes seconds to start on a loaded host.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from serve_app.config import TenantSettings
+from serve_app.ingress.quota_link import ActorLink
+from serve_app.ingress.quota_state import (  # noqa: F401 (importable from here, as before)
+    NAMESPACE,
+    QuotaState,
+    _checkpoint_key,
+    actor_name,
+)
 from serve_app.tenancy.headers import LimitState
 from serve_app.tenancy.quota import ADMITTED, Admission, QuotaBook
 
-logger = logging.getLogger(__name__)
-
-NAMESPACE = "serve_app"
-CALL_TIMEOUT_S = 1.0
-# A replica's first call waits longer: it may create the actor, whose worker process takes
-# seconds to start on a loaded host (with 1 s every router fell back to its share at start).
-STARTUP_TIMEOUT_S = 30.0
-RETRY_S = 5.0
 FLUSH_S = 0.25
 LEASE_WINDOW_S = 1.0
 LEASE_TTL_S = 2.0
-CHECKPOINT_S = 1.0
-TENANTS_REFRESH_S = 1.0
 # A tenant this replica served within this long has its buckets re-read at every flush; an
 # older view is re-read before the tenant's next request is admitted on it.
 ACTIVE_S = 5.0
-
-
-def actor_name(app_name: str) -> str:
-    return f"{app_name}-quota"
-
-
-def _checkpoint_key(app_name: str) -> str:
-    return f"{app_name}/quota/checkpoint"
-
-
-def _snapshot(book: QuotaBook, tenant: str) -> dict[str, Any]:
-    """The tenant's buckets as the routers need them: [capacity, level, rate] or None."""
-    now = book.clock()
-    out: dict[str, Any] = {}
-    for kind, buckets in (("rpm", book._rpm), ("tpm", book._tpm)):
-        b = buckets.get(tenant)
-        if b is None:
-            out[kind] = None
-        else:
-            b.wait_for(0, now)  # refill to now
-            out[kind] = [b.capacity, b.level, b.rate]
-    return out
-
-
-class QuotaState:
-    """The cluster's quota state (run as a Ray actor; see the module docstring). Methods are
-    called by router replicas; each applies the caller's token ``charges`` and unused lease
-    ``returns`` first."""
-
-    def __init__(self, app_name: str, tenants: list[dict[str, Any]]) -> None:
-        self.app_name = app_name
-        self.book = QuotaBook([TenantSettings.model_validate(t) for t in tenants],
-                              clock=time.time)
-        self.version: str | None = None
-        self._tenants_read = 0.0
-        self._checkpointed = 0.0
-        self._restore: dict[str, Any] | None = self._read_checkpoint()
-        self._refresh_tenants(force=True)
-
-    # -- persistence ----------------------------------------------------------------------------
-    def _read_checkpoint(self) -> dict[str, Any] | None:
-        from serve_app.serve_private import kv_get
-
-        try:
-            raw = kv_get(_checkpoint_key(self.app_name))
-            return json.loads(raw) if raw else None
-        except Exception:
-            logger.exception("quota checkpoint unreadable; starting with full buckets")
-            return None
-
-    def _apply_checkpoint(self) -> None:
-        """Put the checkpointed levels back into buckets whose limits are unchanged (they
-        refill for the time since, as they would have)."""
-        if not self._restore:
-            return
-        for kind, buckets in (("rpm", self.book._rpm), ("tpm", self.book._tpm)):
-            for tenant, (capacity, level, updated) in self._restore.get(kind, {}).items():
-                b = buckets.get(tenant)
-                if b is not None and math.isclose(b.capacity, capacity):
-                    b.level, b.updated = level, updated
-        self._restore = None
-
-    def _checkpoint(self) -> None:
-        now = time.time()
-        if now - self._checkpointed < CHECKPOINT_S:
-            return
-        self._checkpointed = now
-        from serve_app.serve_private import kv_put
-
-        state = {kind: {t: [b.capacity, b.level, b.updated] for t, b in buckets.items()}
-                 for kind, buckets in (("rpm", self.book._rpm), ("tpm", self.book._tpm))}
-        try:
-            kv_put(_checkpoint_key(self.app_name), json.dumps(state).encode())
-        except Exception:
-            logger.exception("quota checkpoint failed")
-
-    def _refresh_tenants(self, force: bool = False) -> None:
-        """Follow the live tenant list (the record `serve-app deploy` publishes)."""
-        now = time.time()
-        if not force and now - self._tenants_read < TENANTS_REFRESH_S:
-            return
-        self._tenants_read = now
-        try:
-            from serve_app.ingress.live_config import read_tenants
-
-            live = read_tenants(self.app_name)
-        except Exception:
-            logger.exception("live tenant list unreadable; keeping the current limits")
-            live = None
-        if live is not None and live[0] != self.version:
-            self.version = live[0]
-            self.book.update(live[1])
-        self._apply_checkpoint()
-
-    # -- the routers' calls --------------------------------------------------------------------
-    def _apply(self, charges: dict[str, int], returns: dict[str, int]) -> None:
-        self._refresh_tenants()
-        for tenant, tokens in charges.items():
-            self.book.settle(tenant, tokens)
-        for tenant, unused in returns.items():
-            for _ in range(unused):
-                self.book.refund(tenant)
-            bucket = self.book._rpm.get(tenant)
-            if bucket is not None:  # a lease given back never lifts a bucket past full
-                bucket.level = min(bucket.level, bucket.capacity)
-
-    def lease(self, tenant: str, want: int, charges: dict[str, int],
-              returns: dict[str, int]) -> dict[str, Any]:
-        """Take up to ``want`` requests of ``tenant`` (at least one if any is free): the answer
-        says how many were ``granted``; with none, ``retry_after_s``, ``limit`` and
-        ``message`` of the refusal; and ``snapshot``, the buckets of ``tenant`` and of every
-        tenant charged, after it."""
-        self._apply(charges, returns)
-        granted, refusal = 0, ADMITTED
-        while granted < want:
-            decision = self.book.admit(tenant)
-            if not decision.admitted:
-                refusal = decision
-                break
-            granted += 1
-        self._checkpoint()
-        return {"granted": granted, "retry_after_s": refusal.retry_after_s,
-                "limit": refusal.limit, "message": refusal.message,
-                "snapshot": {t: _snapshot(self.book, t) for t in {tenant, *charges}}}
-
-    def report(self, charges: dict[str, int], returns: dict[str, int],
-               tenants: list[str]) -> dict[str, Any]:
-        """Apply a replica's charges and returns; the buckets of ``tenants`` after them."""
-        self._apply(charges, returns)
-        self._checkpoint()
-        return {t: _snapshot(self.book, t) for t in tenants}
 
 
 @dataclass
@@ -221,10 +99,9 @@ class ClusterQuota:
         self._limits = {t.name: t for t in tenants}
         self._leases: dict[str, _Lease] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._actor: Any = None
-        self._down_until = 0.0
-        self._answered = False  # the actor answered this replica at least once
-        self._shares_seeded = False  # the local shares were set from the actor's last word
+        # The failure rule's calls; on an outage the local shares start from the last word.
+        self._link = ActorLink(lambda: self._get_actor(), self._seed_local_shares, routers)
+        self._probe: asyncio.Task[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
 
     def update(self, tenants: list[TenantSettings]) -> None:
@@ -238,39 +115,15 @@ class ClusterQuota:
 
     @property
     def degraded(self) -> bool:
-        """Whether this replica enforces its local share now (the actor did not answer)."""
-        return time.monotonic() < self._down_until
+        """Whether this replica enforces its local share now: the actor did not answer in
+        time, and has not answered since (an outage; see the module docstring)."""
+        return self._link.outage
 
     def _limited(self, tenant: str) -> TenantSettings | None:
         t = self._limits.get(tenant)
         return t if t is not None and (t.requests_per_minute or t.tokens_per_minute) else None
 
     # -- the actor ------------------------------------------------------------------------------
-    async def _call(self, method: str, *args: Any) -> Any:
-        """``method`` on the actor within CALL_TIMEOUT_S (STARTUP_TIMEOUT_S until it first
-        answered this replica); on failure the replica falls back to its local share for
-        RETRY_S and the error is raised."""
-        try:
-            if self._actor is None:
-                self._actor = await asyncio.to_thread(self._get_actor)
-            answer = await asyncio.wait_for(
-                getattr(self._actor, method).remote(*args),
-                CALL_TIMEOUT_S if self._answered else STARTUP_TIMEOUT_S)
-            self._answered = True
-            self._shares_seeded = False
-            return answer
-        except Exception:
-            if not self.degraded:
-                logger.warning("the cluster quota state did not answer; enforcing this router "
-                               "replica's share (1/%d) of every limit for %g s", self.routers,
-                               RETRY_S, exc_info=True)
-            if not self._shares_seeded:  # once per outage: later, the shares are the truth
-                self._seed_local_shares()
-                self._shares_seeded = True
-            self._actor = None
-            self._down_until = time.monotonic() + RETRY_S
-            raise
-
     def _seed_local_shares(self) -> None:
         """Set the local share of every tenant the actor told this replica about to 1/N of
         what it said was left (refilled to now), plus this replica's unused lease, less its
@@ -326,20 +179,33 @@ class ClusterQuota:
     async def _flush_forever(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_S)
-            if self.degraded:
-                continue
-            charges, returns = self._take_unreported()
-            now = time.monotonic()
-            tenants = [t for t, lease in self._leases.items() if self._limited(t)
-                       and (now - lease.used < ACTIVE_S or t in charges)]
-            if not (charges or returns or tenants):
-                continue
-            try:
-                self._seen(await self._call("report", charges, returns, tenants))
-            except Exception:
-                self._reported(charges, ok=False)  # reported when the actor answers again
-            else:
-                self._reported(charges, ok=True)
+            if self._link.outage:
+                self._maybe_probe()
+            elif not self._link.in_flight:  # never a report beside a call still unanswered
+                await self._report(probe=False)
+
+    def _maybe_probe(self) -> None:
+        """During an outage, once RETRY_S has passed since the last try: one report, in the
+        background (no request waits on it); its answer ends the outage."""
+        if (self._probe is None or self._probe.done()) and self._link.probe_due():
+            self._probe = asyncio.get_running_loop().create_task(self._report(probe=True))
+
+    async def _report(self, probe: bool) -> None:
+        """Report the unreported charges and returns, and re-read the active tenants'
+        buckets (a ``probe`` goes even with nothing to report)."""
+        charges, returns = self._take_unreported()
+        now = time.monotonic()
+        tenants = [t for t, lease in self._leases.items() if self._limited(t)
+                   and (now - lease.used < ACTIVE_S or t in charges)]
+        if not (charges or returns or tenants or probe):
+            return
+        try:
+            snapshot = await self._link.call("report", charges, returns, tenants)
+        except Exception:
+            self._reported(charges, ok=False)  # reported when the actor answers again
+        else:
+            self._seen(snapshot)
+            self._reported(charges, ok=True)
 
     # -- the gate's calls ----------------------------------------------------------------------
     async def admit(self, tenant: str) -> Admission:
@@ -350,15 +216,18 @@ class ClusterQuota:
             return ADMITTED
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
-        if self.degraded:
-            return self.local.admit(tenant)
         lease = self._leases.setdefault(tenant, _Lease())
         lease.used = time.monotonic()
+        if self._link.outage:
+            self._maybe_probe()
+            return self.local.admit(tenant)
         if self._fits(lease, limits):
             lease.requests -= bool(limits.requests_per_minute)
             return ADMITTED
         lock = self._locks.setdefault(tenant, asyncio.Lock())
-        async with lock:
+        async with lock:  # one lease call in flight per tenant; the others wait for it
+            if self._link.outage:  # its call timed out or failed: never a call of our own
+                return self.local.admit(tenant)
             lease = self._leases.setdefault(tenant, _Lease())
             if self._fits(lease, limits):  # another request's lease call brought enough
                 lease.requests -= bool(limits.requests_per_minute)
@@ -366,7 +235,7 @@ class ClusterQuota:
             charges, returns = self._take_unreported()
             want = self._batch(limits)
             try:
-                answer = await self._call("lease", tenant, want, charges, returns)
+                answer = await self._link.call("lease", tenant, want, charges, returns)
             except Exception:
                 self._reported(charges, ok=False)
                 return self.local.admit(tenant)

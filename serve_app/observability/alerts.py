@@ -34,6 +34,7 @@ def alert_rules() -> dict[str, Any]:
     queued = metric("ray_serve_app_router_queued_requests")
     replicas = metric("ray_serve_app_model_live_replicas")
     kv = metric("ray_vllm_kv_cache_usage_perc")
+    quota_degraded = metric("ray_serve_app_quota_degraded")
     budget = round(1 - TTFT_SLO_TARGET, 6)
 
     def slow_share(window: str) -> str:
@@ -87,6 +88,17 @@ def alert_rules() -> dict[str, Any]:
               "minutes",
               "The engine preempts requests to make room (latency spikes). Lower "
               "max_num_seqs, raise gpu_memory_utilization, or add replicas."),
+        _rule("ServeAppQuotaDegraded",
+              f"max by (application) ({quota_degraded}) > 0",
+              "1m", "ticket",
+              "{{ $labels.application }}: router replicas enforce local quota shares: the "
+              "app's quota actor does not answer",
+              "Each router replica in an outage admits every tenant from its own 1/N share of "
+              "the limits (serve_app/ingress/cluster_quota.py): a tenant whose requests are "
+              "spread unevenly is refused early or, on replicas that had not served it, can "
+              "pass its limit. Find the `<app>-quota` actor in `ray list actors` (namespace "
+              "serve_app): dead, restarting, or its node overloaded. Routers probe it every "
+              "5 s and resume leases on its first answer."),
         _rule("ServeAppScrapeTargetDown",
               'up{job="ray"} == 0',
               "2m", "page",

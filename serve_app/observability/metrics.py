@@ -94,6 +94,10 @@ METRICS: dict[str, Metric] = {
                "(prompt under one key block: spread by power of two), power_of_two (the "
                "power_of_two policy). Counted per routing attempt: a request Serve routes "
                "again because every replica refused it counts again."),
+        Metric("ray_serve_app_quota_degraded", "gauge", "router",
+               "1 while a router replica enforces its local share (1/N) of every tenant "
+               "limit because the app's quota actor did not answer in time (an outage), "
+               "else 0."),
         Metric("ray_vllm_prefix_cache_queries_total", "counter", "vllm",
                "Prompt tokens the engine looked up in its prefix cache."),
         Metric("ray_vllm_prefix_cache_hits_total", "counter", "vllm",
@@ -114,6 +118,7 @@ ROUTER_METRICS = {
     "demand": "serve_app_model_demand",
     "target_per_replica": "serve_app_autoscaling_target_per_replica",
     "routing_decisions": "serve_app_routing_decisions",
+    "quota_degraded": "serve_app_quota_degraded",
 }
 
 # Histogram buckets (seconds) of the router's latency metrics.

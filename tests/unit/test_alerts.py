@@ -82,6 +82,11 @@ CASES = [
         'ray_vllm_kv_cache_usage_perc{model_name="full",engine="0"}': "0.97x20",
         'ray_vllm_kv_cache_usage_perc{model_name="busy",engine="0"}': "0.90x20",
     }, "15m", [{"model_name": "full"}]),
+    ("ServeAppQuotaDegraded", {
+        'ray_serve_app_quota_degraded{application="llm",replica="r1"}': "0x2 1x10",
+        'ray_serve_app_quota_degraded{application="llm",replica="r2"}': "0x12",
+        'ray_serve_app_quota_degraded{application="ok",replica="r1"}': "0x12",
+    }, "8m", [{"application": "llm"}]),
     ("ServeAppScrapeTargetDown", {
         'up{job="ray",instance="10.0.0.1:8080"}': "0x10",
         'up{job="ray",instance="10.0.0.2:8080"}': "1x10",
