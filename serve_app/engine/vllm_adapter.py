@@ -1,4 +1,5 @@
-"""The vLLM adapter: the only module of the project that imports vllm.
+"""The vLLM adapter: with :mod:`.vllm_stats` (the stat loggers it gives the engine), the only
+module of the project that imports vllm.
 
 It uses the stable engine API only (AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutput), so
 the same code runs on the vLLM CPU build (0.32.x) and on the GPU hosts' vLLM (0.26.x and newer).
@@ -22,8 +23,9 @@ from serve_app.engine.protocol import (
     GenerationRequest,
 )
 from serve_app.engine.placement import replica_placement_group
-from serve_app.engine.stall import EngineStalledError, StallWatch, kill_child_processes
+from serve_app.engine.stall import EngineStalledError, kill_child_processes
 from serve_app.engine.timing import CACHED_TOKENS, replica_phases
+from serve_app.engine.vllm_stats import SchedulerCounts, ray_metrics_loggers, stat_logger_factory
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class VLLMEngine:
         self._prefill_tokens_avg = 0.0
         self._priority = False
         self._max_token_chars = 0  # 0: no length bound before encoding (unknown vocabulary)
-        self._stats = _SchedulerCounts()
+        self._stats = SchedulerCounts()
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -82,7 +84,7 @@ class VLLMEngine:
                            "the engine's per-step stats)", self.settings.name)
         else:
             self._stats.watch.floor_s = self.settings.engine_stall_timeout_s
-        loggers = [_stat_logger_factory(self._stats), *_ray_metrics_loggers()]
+        loggers = [stat_logger_factory(self._stats), *ray_metrics_loggers()]
         # The defaults `vllm serve` gets: without this usage context an H200 engine gets a
         # 2,048-token step budget instead of 8,192 (measured: the stack then started a quarter
         # of the prompts per step that bare vLLM started, and ran 150 requests instead of 500).
@@ -317,58 +319,6 @@ def _longest_token_chars(tokenizer: Any) -> int:
         return max((len(t) for t in tokenizer.get_vocab()), default=0)
     except Exception:  # a tokenizer without a vocabulary listing: no early bound
         return 0
-
-
-class _SchedulerCounts:
-    """Latest running/waiting counts reported by the engine's scheduler, and the stall watch
-    its steps feed (off until :meth:`VLLMEngine.start` sets its timeout)."""
-
-    __slots__ = ("running", "waiting", "kv_cache_usage", "watch")
-
-    def __init__(self) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_cache_usage = 0.0
-        self.watch = StallWatch(None)
-
-
-def _stat_logger_factory(counts: _SchedulerCounts) -> Any:
-    """A vLLM StatLogger class that copies scheduler counts into ``counts`` each step."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class _CountsLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
-
-        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any,
-                   **kwargs: Any) -> None:
-            if scheduler_stats is not None:
-                counts.running = scheduler_stats.num_running_reqs
-                counts.waiting = scheduler_stats.num_waiting_reqs
-                counts.watch.stepped(time.monotonic(), counts.running + counts.waiting > 0)
-                # `gpu_cache_usage` before vLLM renamed it (same meaning on CPU builds).
-                counts.kv_cache_usage = float(getattr(scheduler_stats, "kv_cache_usage", None)
-                                              or getattr(scheduler_stats, "gpu_cache_usage", 0.0))
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return _CountsLogger
-
-
-def _ray_metrics_loggers() -> list[Any]:
-    """vLLM's own engine metrics, exported through Ray's metrics agent when inside Ray.
-
-    They appear on the node's metrics endpoint as ``ray_vllm_*`` (``:`` becomes ``_``)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return []
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
-    except ImportError:
-        return []
-    return [RayPrometheusStatLogger]
 
 
 def run_vllm_cli(argv: list[str]) -> int:
