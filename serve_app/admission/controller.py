@@ -11,6 +11,9 @@ real: the engines only ever see requests the router chose to release. ``capacity
 constant: :class:`serve_app.admission.feed.EngineFeed` sets it from the engines' live load
 many times a second (:mod:`serve_app.admission`), so it follows what the engines start and how many
 replicas exist. Below capacity a request passes straight through (no queue, no extra hop).
+
+Waiting is bounded per band and per tenant (:meth:`AdmissionController._check_queue_bounds`):
+a tenant's backlog, e.g. one held back by its concurrency cap, cannot shut its band to others.
 """
 
 from __future__ import annotations
@@ -19,15 +22,31 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Callable, Collection, Literal
 
-from serve_app.config import Priority
+from serve_app.config import Priority, RouterSettings
 from serve_app.tenancy.concurrency import ConcurrencyCaps
 from serve_app.tenancy.fair_queue import BANDS, QUEUE_POLICIES, FairQueue, engine_priority
 
 
 class QueueFull(Exception):
-    """The band's queue is at its bound; the caller answers 429."""
+    """The request may not wait: its band's queue is full (``reason`` ``"band"``) or its tenant
+    already holds ``max_queued_per_tenant`` waiting requests (``"tenant"``, ``waiting`` of them).
+    The caller answers 429; ``str()`` is the message's tail after the model's name."""
+
+    def __init__(self, band: Priority, reason: Literal["band", "tenant"] = "band",
+                 waiting: int = 0) -> None:
+        super().__init__(band, reason, waiting)
+        self.band, self.reason, self.waiting = band, reason, waiting
+
+    def __str__(self) -> str:
+        if self.reason == "tenant":
+            return (f"has {self.waiting} of your requests waiting already, the most one tenant "
+                    "may queue for it; retry once some have finished")
+        return f"is at capacity and the {self.band}-priority queue is full; retry shortly"
+
+
+_PER_TENANT_DEFAULT: int = RouterSettings.model_fields["max_queued_per_tenant"].default
 
 
 class NoReplicaInTime(Exception):
@@ -64,9 +83,12 @@ class AdmissionController:
     def __init__(self, capacity: int, max_queued: int,
                  on_change: Callable[[AdmissionController], None] | None = None,
                  policy: str = "fair", first_request_slots: int = 0,
-                 caps: ConcurrencyCaps | None = None) -> None:
+                 caps: ConcurrencyCaps | None = None,
+                 max_queued_per_tenant: int = _PER_TENANT_DEFAULT) -> None:
         """``on_change`` is called whenever the queue grows or shrinks (metrics); ``policy``
         names the queue order (:data:`~serve_app.tenancy.fair_queue.QUEUE_POLICIES`).
+        ``max_queued`` and ``max_queued_per_tenant`` bound the waiting requests per band and
+        per tenant (:meth:`acquire`).
 
         ``first_request_slots``: a tenant with nothing in flight gets its request in at once,
         even at capacity, as long as no higher band waits and fewer than this many such
@@ -84,6 +106,7 @@ class AdmissionController:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
         self.max_queued = max_queued
+        self.max_queued_per_tenant = max_queued_per_tenant
         self.in_flight = 0
         self.tenant_in_flight: dict[str, int] = {}
         # Sequences per replica that serves them; the live replicas (None: no view yet, so
@@ -134,9 +157,9 @@ class AdmissionController:
         an engine, with its engine priority (see
         :func:`~serve_app.tenancy.fair_queue.engine_priority`); the caller must
         :meth:`release` it with the same weight then.
-        Raises :class:`QueueFull` when ``band`` already holds ``max_queued`` waiting requests,
-        :class:`NoReplicaInTime` from :meth:`expire_waiting`. Cancellation while waiting (client
-        gone) leaves nothing behind."""
+        Raises :class:`QueueFull` when the request would have to wait beyond a bound
+        (:meth:`_check_queue_bounds`), :class:`NoReplicaInTime` from :meth:`expire_waiting`.
+        Cancellation while waiting (client gone) leaves nothing behind."""
         capped = self.caps is not None and not self.caps.may_start(tenant)
         if self.has_room() and not len(self.queue) and not capped:
             return self._grant_unqueued(tenant, band, weight)
@@ -145,8 +168,7 @@ class AdmissionController:
                 and not any(self.queue.waiting(b) for b in BANDS[:BANDS.index(band)])):
             self.overdraft.add(tenant)
             return self._grant_unqueued(tenant, band, weight)
-        if self.queue.waiting(band) >= self.max_queued:
-            raise QueueFull(band)
+        self._check_queue_bounds(tenant, band)
         waiter = _Waiter(tenant, band, weight)
         self.queue.push(waiter, tenant, band)
         self.blocked.set()
@@ -164,6 +186,30 @@ class AdmissionController:
                     and waiter.future.exception() is None:
                 self.release(tenant, 0, weight)  # admitted as we were cancelled: give it back
             raise
+
+    def _check_queue_bounds(self, tenant: str, band: Priority) -> None:
+        """Raise :class:`QueueFull` if a request of ``tenant`` may not wait in ``band``.
+
+        A tenant holding ``max_queued_per_tenant`` waiting requests (over all bands) is refused.
+        A band holding ``max_queued`` refuses only a tenant that holds at least its equal share
+        of the band's waiting requests (their number over the tenants waiting there, this one
+        included): the tenants with the most waiting are refused, never one below the average,
+        and a newcomer always gets in. Before, the band's bound refused everyone, so a tenant
+        held back by its ``max_concurrent_requests`` (its requests wait however idle the engines
+        are) filled the band and every other tenant of the band got 429 (issue 37: 110 requests
+        of a tenant capped at 2). A tenant alone still stops at ``max_queued`` (its share is the
+        whole band), and ``max_queued`` 0 still means no waiting at all. Memory stays bounded:
+        the band grows past ``max_queued`` only while tenants below the average catch up, never
+        past ``max_queued_per_tenant`` per waiting tenant."""
+        mine = self.queue.waiting(tenant=tenant)
+        if mine >= self.max_queued_per_tenant:
+            raise QueueFull(band, "tenant", mine)
+        in_band = self.queue.waiting(band)
+        if in_band >= self.max_queued:
+            mine_here = self.queue.waiting(band, tenant)
+            tenants = self.queue.tenants_waiting(band) + (0 if mine_here else 1)
+            if mine_here * tenants >= in_band:
+                raise QueueFull(band)
 
     def _grant_unqueued(self, tenant: str, band: Priority, weight: int) -> int:
         """Grant a request that never waited: it moves the band's virtual clock like a pop."""

@@ -92,7 +92,18 @@ class RouterSettings(_Strict):
     )
     max_queued_per_band: int = Field(
         4096, ge=0, description="Requests one priority band may hold waiting per model; "
-        "beyond it new requests of that band get 429.",
+        "beyond it new requests of that band get 429, but only for tenants holding at least "
+        "their equal share of its waiting requests: one tenant's backlog cannot shut the band "
+        "to the others (docs/admission.md).",
+    )
+    max_queued_per_tenant: int = Field(
+        1024, ge=1, description="Requests one tenant may hold waiting per model (in each router "
+        "replica, over all bands); beyond it that tenant's new requests get 429 and other "
+        "tenants are unaffected. Bounds what a tenant flooding the endpoint, or held back by "
+        "its `max_concurrent_requests`, keeps in the router: a band holds at most "
+        "`max_queued_per_band` or, while several tenants wait in it, this bound for each of "
+        "them. The default leaves most of a router replica's `max_ongoing_requests` to the "
+        "other tenants.",
     )
     allow_open_endpoint: bool = Field(
         False, description="Serve a non-loopback `host` with no tenants (anyone who reaches "

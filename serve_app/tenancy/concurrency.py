@@ -8,7 +8,10 @@ may start while its tenant has fewer sequences in flight than its cap, whatever 
 whole weight would starve a request whose ``n`` is above the cap), so the count may pass the
 cap by less than the largest ``n``. Requests beyond it wait in the tenant's queue; a tenant at
 its cap cannot hold the fair queue's head (:meth:`serve_app.tenancy.fair_queue.FairQueue.pop`
-skips it), so other tenants pass it.
+skips it), so other tenants pass it. Nor can its waiting requests shut its band to the others:
+the band's bound refuses only tenants holding their equal share of it, and each tenant's queue
+has its own bound (``router.max_queued_per_tenant``; see
+:meth:`serve_app.admission.controller.AdmissionController._check_queue_bounds`).
 
 With several router replicas each holds its share of every cap (``share``, 1/replicas), at
 least one sequence, as for the other limits.

@@ -17,7 +17,7 @@ Pure data structure (no asyncio, no Ray); the router's admission controller driv
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from typing import Callable, Generic, Hashable, Literal, TypeVar
 
 from serve_app.config import Priority
@@ -47,11 +47,18 @@ class FairQueue(Generic[T]):
     def __contains__(self, item: T) -> bool:
         return item in self._where
 
-    def waiting(self, band: Priority | None = None) -> int:
-        """Items waiting in ``band`` (or in all bands)."""
+    def waiting(self, band: Priority | None = None, tenant: str | None = None) -> int:
+        """Items waiting in ``band`` (or in all bands), of ``tenant`` (or of every tenant)."""
+        if tenant is not None:
+            bands = BANDS if band is None else (band,)
+            return sum(len(self._waiting[b].get(tenant, ())) for b in bands)
         if band is None:
             return len(self._where)
         return sum(len(q) for q in self._waiting[band].values())
+
+    def tenants_waiting(self, band: Priority) -> int:
+        """How many tenants have items waiting in ``band``."""
+        return len(self._waiting[band])
 
     def service(self, tenant: str) -> float:
         return self._service.get(tenant, 0.0)
@@ -129,6 +136,8 @@ class FifoQueue(Generic[T]):
 
     def __init__(self) -> None:
         self._items: OrderedDict[T, tuple[Priority, str]] = OrderedDict()
+        # Items per (band, tenant): the admission controller's queue bounds read them.
+        self._counts: Counter[tuple[Priority, str]] = Counter()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -136,27 +145,40 @@ class FifoQueue(Generic[T]):
     def __contains__(self, item: T) -> bool:
         return item in self._items
 
-    def waiting(self, band: Priority | None = None) -> int:
+    def waiting(self, band: Priority | None = None, tenant: str | None = None) -> int:
+        if tenant is not None:
+            return sum(self._counts[(b, tenant)] for b in (BANDS if band is None else (band,))
+                       if (b, tenant) in self._counts)
         if band is None:
             return len(self._items)
-        return sum(1 for b, _ in self._items.values() if b == band)
+        return sum(n for (b, _), n in self._counts.items() if b == band)
+
+    def tenants_waiting(self, band: Priority) -> int:
+        return sum(1 for b, _ in self._counts if b == band)
 
     def push(self, item: T, tenant: str, band: Priority = "normal") -> None:
         self._items[item] = (band, tenant)
+        self._counts[(band, tenant)] += 1
 
     def pop(self, eligible: Callable[[str], bool] | None = None) -> T | None:
         if eligible is None:
-            return self._items.popitem(last=False)[0] if self._items else None
+            return self.pop_where(lambda i: True)
         return self.pop_where(lambda i: eligible(self._items[i][1]))
 
     def pop_where(self, pred: Callable[[T], bool]) -> T | None:
         item = next((i for i in self._items if pred(i)), None)
         if item is not None:
-            del self._items[item]
+            self.remove(item)
         return item
 
     def remove(self, item: T) -> bool:
-        return self._items.pop(item, None) is not None
+        where = self._items.pop(item, None)
+        if where is None:
+            return False
+        self._counts[where] -= 1
+        if not self._counts[where]:
+            del self._counts[where]
+        return True
 
     def served(self, tenant: str, band: Priority, newly_active: bool) -> None:
         pass

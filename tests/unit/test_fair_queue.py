@@ -130,19 +130,22 @@ def test_admission_queues_fairly_and_releases_in_order():
 
 
 def test_queue_bound_per_band():
+    """A full band refuses the tenant holding it; another tenant still gets in (its equal share
+    of the band: tests/unit/test_admission_queue_bounds.py)."""
     async def main():
         ac = AdmissionController(capacity=1, max_queued=1)
         await ac.acquire("a", "normal")
         t = asyncio.create_task(ac.acquire("a", "normal"))
         await asyncio.sleep(0)
         with pytest.raises(QueueFull):
-            await ac.acquire("b", "normal")
+            await ac.acquire("a", "normal")
+        b = asyncio.create_task(ac.acquire("b", "normal"))
         h = asyncio.create_task(ac.acquire("h", "high"))  # each band has its own bound
         await asyncio.sleep(0)
-        assert ac.queued("high") == 1 and ac.queued("normal") == 1
-        for task in (t, h):
+        assert ac.queued("high") == 1 and ac.queued("normal") == 2
+        for task in (t, b, h):
             task.cancel()
-        await asyncio.gather(t, h, return_exceptions=True)
+        await asyncio.gather(t, b, h, return_exceptions=True)
         assert ac.queued() == 0
     asyncio.run(main())
 
