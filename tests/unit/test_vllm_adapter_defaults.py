@@ -105,3 +105,21 @@ def test_prefill_average_leaves_prefix_cache_hits_out_regression_cached_prompts_
     assert engine.load().prefill_tokens_avg < 40
     engine._note_prefill(1024, 1024)  # a full hit still computes the last token
     assert engine.load().prefill_tokens_avg > 1
+
+
+def test_the_stat_logger_copies_the_scheduler_counts_each_step():
+    """The engine's load (what admission and autoscaling read) comes from vLLM's per-step
+    stats through the logger of serve_app/engine/vllm_stats.py, under either name vLLM has
+    given the KV-cache use."""
+    from serve_app.engine.vllm_stats import SchedulerCounts, stat_logger_factory
+
+    counts = SchedulerCounts()
+    step_logger = stat_logger_factory(counts)(None)
+    step_logger.record(SimpleNamespace(num_running_reqs=3, num_waiting_reqs=2,
+                                       kv_cache_usage=0.5), None)
+    assert (counts.running, counts.waiting, counts.kv_cache_usage) == (3, 2, 0.5)
+    step_logger.record(SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0,
+                                       gpu_cache_usage=0.25), None)
+    assert (counts.running, counts.waiting, counts.kv_cache_usage) == (1, 0, 0.25)
+    step_logger.record(None, None)  # a step without scheduler stats changes nothing
+    assert counts.running == 1
