@@ -231,7 +231,11 @@ def private_dir(path: Path, exact: bool = True) -> Path:
     if writable_by_others:
         logger.warning("%s could be written by other users (mode %o): made again, 0700", path,
                        stat.S_IMODE(st.st_mode))
-        shutil.rmtree(path)
+        try:
+            shutil.rmtree(path)
+        except OSError as err:  # e.g. others' files in a sticky folder
+            raise UnsafeFolderError(f"{path} could be written by other users and cannot be "
+                                    f"emptied ({err}): remove it") from err
         return private_dir(path, exact)
     if exact and st.st_mode & 0o077:
         os.chmod(path, 0o700)
@@ -317,7 +321,8 @@ def sweep_stale(base: Path, proc_root: Path = Path("/proc"), now: float | None =
         if any(f"{folder}/" in c for c in commands):
             continue
         shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
+        if not folder.exists():  # not when the base is another user's
+            removed.append(folder)
     if removed:
         logger.info("removed the folders of %d dead HAProxy instances under %s", len(removed),
                     base)

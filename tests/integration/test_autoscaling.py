@@ -96,6 +96,28 @@ def _running(states: dict[str, int]) -> int:
     return states.get("RUNNING", 0)
 
 
+def test_listing_models_leaves_a_model_at_zero_regression(scaled):
+    """GET /v1/models asked every model's engine for its card: at zero replicas the call
+    queued in Serve's handle, Serve counted it as demand, and a client listing models kept the
+    model warm. The card comes from the config (and the last answer of a live engine)."""
+    assert _running(scaled["replicas"]()) == 0
+    stop, log = threading.Event(), []
+    watcher = threading.Thread(target=_watch, args=(scaled["replicas"], stop, log))
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 12  # past upscale_delay_s and the look-back period
+        while time.monotonic() < deadline:
+            r = httpx.get(f"{scaled['base']}/v1/models", timeout=10)
+            assert r.status_code == 200, r.text
+            cards = r.json()["data"]
+            assert [c["id"] for c in cards] == [MODEL] and "max_model_len" in cards[0], cards
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        watcher.join()
+    assert log and all(sum(states.values()) == 0 for _, states in log), log
+
+
 def test_cold_model_serves_five_requests_from_zero(scaled):
     assert _running(scaled["replicas"]()) == 0
     stop, log = threading.Event(), []
