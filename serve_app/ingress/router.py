@@ -73,7 +73,8 @@ class OpenAIRouter:
             m.name: AdmissionController(COLD_START_PROBE, settings.max_queued_per_band,
                                         functools.partial(gate.queue_changed, m.name),
                                         policy=settings.queue_policy,
-                                        first_request_slots=adm.headroom, caps=gate.caps)
+                                        first_request_slots=adm.headroom, caps=gate.caps,
+                                        max_queued_per_tenant=settings.max_queued_per_tenant)
             for m in config_.models}
         feeds = {
             m.name: EngineFeed(
