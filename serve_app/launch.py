@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app import ray_security
 from serve_app.config import APP_NAME, AppConfig
 from serve_app.ingress import haproxy
 from serve_app.preflight import (  # noqa: F401 (importable from here, as before)
@@ -65,6 +66,8 @@ def start_stack(config: AppConfig, address: str | None = None,
     if address is None:
         reap_leftovers()
         check_ports(config)
+        # Token authentication pinned on, the dashboard on loopback (serve_app/ray_security.py).
+        ray_security.apply_local_ray_settings(ray_init)
     # The dashboard executes code for whoever reaches it: keep it on localhost.
     ray_init.setdefault("dashboard_host", "127.0.0.1")
     # "local": a new Ray of this stack's own, never a `ray start` cluster or a test cluster
@@ -153,21 +156,11 @@ def base_url(config: AppConfig) -> str:
 
 
 def _record(config: AppConfig, action: str) -> str:
-    """Publish ``config`` as the deployed one and its tenants as the live ones, and add an
-    audit entry (``action``: start, live or redeploy) naming the tenants it changed."""
-    from serve_app.ingress.live_config import publish_config, publish_tenants, read_tenants
-    from serve_app.observability.audit import append_audit, audit_entry
+    """Publish ``config`` and its tenants and add an audit record (``action``: start, live or
+    redeploy): :func:`serve_app.ingress.live_config.record_deploy`, every deploy path's step."""
+    from serve_app.ingress.live_config import record_deploy
 
-    before = read_tenants(APP_NAME)
-    dumped = config.model_dump(mode="json")
-    publish_config(APP_NAME, dumped)
-    version = publish_tenants(APP_NAME, config.tenants)
-    try:
-        append_audit(APP_NAME, audit_entry(action, dumped, version,
-                                           before[1] if before else None, config.tenants))
-    except Exception:  # the change is made; a lost audit entry must not undo or hide it
-        logger.exception("could not write the audit entry of this deploy")
-    return version
+    return record_deploy(APP_NAME, config, action)
 
 
 def _structure(config: dict[str, Any]) -> dict[str, Any]:

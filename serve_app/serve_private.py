@@ -29,6 +29,8 @@ moves or changes it (Ray is pinned; read those tests before bumping it).
   its own (``DeploymentBroadcastResponse._fetch_replica_results_async`` and each
   ``ReplicaResult.get_async``): the public ``results_async`` bounds the whole broadcast, so one
   slow replica failed the poll of every replica.
+* :func:`reload_ray_config`: ``ray._raylet.Config.initialize``, which makes a driver's Ray
+  config read ``RAY_AUTH_MODE`` again after the stack pins it (serve_app/ray_security.py).
 * :func:`kv_put` / :func:`kv_get` / :func:`kv_list` / :func:`kv_del`: Ray's internal key-value
   store (the GCS), where the live tenant list, the last deployed config, the audit log and the
   tenants' token budget spend live (``ray.experimental.internal_kv``).
@@ -117,6 +119,16 @@ def request_backoff(pending_request: Any) -> None:
     pending_request.routing_context.should_backoff = True
 
 
+def reload_ray_config() -> None:
+    """Make this process's Ray config read ``RAY_AUTH_MODE`` again (``ray._raylet.Config.
+    initialize("")``, Ray's own step when it turns token auth on for a new local cluster:
+    ``authentication_token_setup._enable_token_auth``). Ray's C++ config reads the variable once;
+    a driver that sets it later and starts Ray fails with "Authentication token is missing"."""
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
 def kv_put(key: str, value: bytes) -> None:
     """Store ``value`` under ``key`` in the cluster's key-value store (needs a connected Ray
     driver or worker); it outlives every replica."""
@@ -148,6 +160,6 @@ def kv_list(prefix: str) -> list[str]:
             for k in _internal_kv_list(prefix.encode(), namespace=_KV_NAMESPACE)]
 
 
-__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_get", "kv_list", "kv_put",
-           "on_data_plane", "probe_queue_lens", "request_backoff", "route_on_serve_loop",
-           "uses_grpc", "with_version"]
+__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_del", "kv_get", "kv_list",
+           "kv_put", "on_data_plane", "probe_queue_lens", "reload_ray_config", "request_backoff",
+           "route_on_serve_loop", "uses_grpc", "with_version"]

@@ -291,6 +291,11 @@ class ClusterQuota:
         if limits is not None and limits.tokens_per_minute and tokens > 0:
             self._leases.setdefault(tenant, _Lease()).unflushed += tokens
 
+    def publish_degraded(self) -> None:
+        """Publish the ``serve_app_quota_degraded`` gauge with the current state (called at the
+        router replica's first request)."""
+        self._link.publish_gauge()
+
     def state(self, tenant: str, pending_tokens: int = 0
               ) -> tuple[LimitState | None, LimitState | None] | None:
         """The rate-limit headers' figures from the actor's last word plus this replica's

@@ -173,6 +173,8 @@ class RequestPipeline:
         for name, controller in self.admission.items():
             self.gate.queue_changed(name, controller)
             self.feeds[name].start()
+        if self.gate.cluster is not None:  # the quota-degraded gauge exists from the start
+            self.gate.cluster.publish_degraded()
 
     async def _read(self, http_request: Request, model_cls: type[OpenAIRequest]
                     ) -> OpenAIRequest:

@@ -129,6 +129,12 @@ class ActorLink:
         elif first:
             self._set_gauge(0)
 
+    def publish_gauge(self) -> None:
+        """Set the gauge to the outage state now (the router's first request: a series that
+        appears only with an outage leaves its alert without data, and a gauge set in the
+        replica's constructor never reaches Prometheus)."""
+        self._set_gauge(1 if self._outage else 0)
+
     def _set_gauge(self, value: int) -> None:
         try:
             if self._gauge is None:

@@ -9,8 +9,10 @@ of other hosts and is only listed. Each other one is called from the host's own 
 address as a stranger would (no token):
 
 - an HTTP port must answer 401 or 403 (or refuse the connection): the dashboard agent's and the
-  runtime-env agent's aiohttp servers check Ray's token in a middleware; a Prometheus exporter
-  (no authentication) answers 200 and fails the test;
+  runtime-env agent's aiohttp servers check Ray's token in a middleware. The one exception is a
+  Prometheus exporter (the metrics agent's, the dashboard's, the autoscaler monitor's): it serves
+  metrics text to a GET, answers nothing else and runs no code, and a Prometheus on another host
+  may need to scrape it; it is listed, and any other HTTP answer fails the test;
 - a gRPC port must fail a real method of its service with UNAUTHENTICATED: GCS, raylet and core
   workers (C++), the dashboard agent and Serve's inter-deployment server (Python, Ray's
   interceptor). A port that answers a method, or serves none of the known ones, fails the test.
@@ -128,21 +130,39 @@ def _target(listener: Listener, host: str) -> str:
     return listener.address
 
 
-def _http(address: str, port: int) -> list[tuple[str, int]] | None:
-    """(path, status) of each of :data:`HTTP_PATHS`; None when the port does not speak HTTP/1."""
+def _http(address: str, port: int, method: str = "GET"
+          ) -> list[tuple[str, int, str]] | None:
+    """(path, status, content type) of each of :data:`HTTP_PATHS`; None when the port does not
+    speak HTTP/1."""
     import http.client
 
     answers = []
     for path in HTTP_PATHS:
         conn = http.client.HTTPConnection(address, port, timeout=5)
         try:
-            conn.request("GET", path)
-            answers.append((path, conn.getresponse().status))
+            conn.request(method, path, body=b"{}" if method == "POST" else None)
+            response = conn.getresponse()
+            answers.append((path, response.status, response.getheader("Content-Type") or ""))
         except (http.client.HTTPException, ConnectionResetError, socket.timeout):
             return None  # gRPC servers close an HTTP/1 connection without an answer
         finally:
             conn.close()
     return answers
+
+
+# What a Prometheus exporter answers a GET with (prometheus_client's text formats).
+METRICS_TYPES = ("text/plain; version=0.0.4", "application/openmetrics-text")
+
+
+def _is_metrics_exporter(address: str, port: int,
+                         answers: list[tuple[str, int, str]]) -> bool:
+    """Whether the port is a Prometheus exporter and nothing more: every GET path answers
+    metrics text, and a POST is not served."""
+    if not all(status == 200 and ctype.startswith(METRICS_TYPES)
+               for _, status, ctype in answers):
+        return False
+    posted = _http(address, port, "POST")
+    return posted is not None and all(status >= 400 for _, status, _ in posted)
 
 
 def _grpc(address: str, port: int) -> tuple[str, str] | None:
@@ -174,6 +194,7 @@ class Verdict:
     target: str
     how: str  # what a stranger got
     refused: bool
+    exporter: bool = False  # a read-only Prometheus exporter (see the module docstring)
 
     def __str__(self) -> str:
         return f"{self.listener} -> {self.target}: {self.how}"
@@ -190,9 +211,12 @@ def probe(listener: Listener, host: str) -> Verdict:
         return Verdict(listener, target, f"unreachable ({err})", True)
     answers = _http(target, listener.port)
     if answers is not None:
-        how = "HTTP " + ", ".join(f"{path} {status}" for path, status in answers)
+        how = "HTTP " + ", ".join(f"{path} {status}" for path, status, _ in answers)
+        if _is_metrics_exporter(target, listener.port, answers):
+            return Verdict(listener, target, how + " (read-only Prometheus exporter)", False,
+                           exporter=True)
         return Verdict(listener, target, how,
-                       all(status in REFUSED_HTTP for _, status in answers))
+                       all(status in REFUSED_HTTP for _, status, _ in answers))
     served = _grpc(target, listener.port)
     if served is None:
         return Verdict(listener, target, "neither HTTP nor a known Ray gRPC service: "
@@ -221,7 +245,7 @@ def assert_session_refuses_strangers(root_pid: int) -> list[Verdict]:
     assert {"gcs_server", "raylet"} <= names, names
     print("\nRay session listeners:\n" + "\n".join(f"  {item}" for item in listeners))
     print("probed as a stranger:\n" + "\n".join(f"  {v}" for v in verdicts))
-    open_ports = [str(v) for v in verdicts if not v.refused]
+    open_ports = [str(v) for v in verdicts if not v.refused and not v.exporter]
     assert not open_ports, "answered a caller without the token:\n" + "\n".join(open_ports)
     return verdicts
 
