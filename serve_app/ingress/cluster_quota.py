@@ -299,7 +299,10 @@ class ClusterQuota:
     def state(self, tenant: str, pending_tokens: int = 0
               ) -> tuple[LimitState | None, LimitState | None] | None:
         """The rate-limit headers' figures from the actor's last word plus this replica's
-        lease and unreported usage; None when there is no such word (use the local book)."""
+        lease and unreported usage: the actor's buckets hold the tenant's whole limits, so the
+        figures are the tenant's. None during an outage or before the actor's first word: use
+        the local book, whose figures are its share scaled to the tenant's limits
+        (:meth:`~serve_app.tenancy.quota.QuotaBook.state`), as its admission is now."""
         limits = self._limited(tenant)
         lease = self._leases.get(tenant)
         if limits is None or lease is None or self.degraded or not lease.seen:

@@ -174,7 +174,10 @@ class TenantGate:
 
     def ratelimit_headers(self, tenant: Tenant, pending_tokens: int = 0) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for ``tenant`` now (none for a limit it does not
-        have); ``pending_tokens``: the tokens of the request being answered, not yet settled."""
+        have); ``pending_tokens``: the tokens of the request being answered, not yet settled.
+        The limits are the tenant's whole limits in every quota scope and during a quota
+        outage; ``remaining`` is what the replica enforcing it now knows (the cluster quota's
+        view, else this replica's share scaled to the limit: :mod:`serve_app.tenancy.headers`)."""
         state = (self.cluster.state(tenant.name, pending_tokens)
                  if self.cluster is not None else None)
         return ratelimit_headers(*(state or self.quotas.state(tenant.name, pending_tokens)))

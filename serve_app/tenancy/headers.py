@@ -6,6 +6,15 @@ and the same three for ``-tokens``. Limits are whole numbers, remaining values a
 bucket at 4.7 requests admits 4 more), and a reset is the time until the bucket is full again,
 written as OpenAI writes it: Go's duration format (``"17ms"``, ``"1s"``, ``"6m0s"``, ``"1h0m0s"``).
 A dimension the tenant has no limit on gets no headers (there is nothing to count down).
+
+**The limit is the tenant's, never a router's share.** Where a router replica enforces only its
+share of a limit (``governance.quota_scope: replica``, or the cluster quota's outage, when it
+falls back to its local share), the headers still state the tenant's configured limit, and
+``remaining`` is this router's share scaled up to it (:func:`share_remaining`): what the tenant
+may still send if the other routers' shares are as spent as this one (the load balancer spreads
+a tenant's requests over them). It is 0 whenever this router would refuse the tenant's next
+request, so a client that reads ``remaining > 0`` is not refused by this router for that
+dimension next (it may be for the other one: each dimension counts down on its own).
 """
 
 from __future__ import annotations
@@ -22,6 +31,18 @@ class LimitState:
     limit: int
     remaining: float
     reset_s: float
+
+
+def share_remaining(level: float, capacity: float, limit: int, need: float) -> float:
+    """``remaining`` of the tenant's whole ``limit``, from a bucket of ``capacity`` (this router's
+    share of it) at ``level``: the level scaled by ``limit / capacity``, the same fraction of
+    the whole as this share has left (it never exceeds ``limit``). ``need``: the level the
+    bucket must hold to admit one more request (1 for requests, any amount above 0 for tokens);
+    below it the answer is 0 (a debt stays negative, scaled), never a scaled figure above 0 that
+    the next request through this router would not get. With the whole limit in the bucket
+    (``capacity == limit``) it is the level itself."""
+    scaled = level * limit / capacity if capacity > 0 else 0.0
+    return scaled if level >= need else min(0.0, scaled)
 
 
 def reset_duration(seconds: float) -> str:

@@ -12,7 +12,8 @@
 
 Buckets hold a minute's worth (a full minute's budget may be spent in a burst) and refill
 continuously. With several router replicas each holds ``1/replicas`` of every limit
-(``share``); the load balancer spreads a tenant's requests over them.
+(``share``); the load balancer spreads a tenant's requests over them. The rate-limit headers
+still state the tenant's whole limits (:meth:`QuotaBook.state`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from serve_app.config import TenantSettings
-from serve_app.tenancy.headers import LimitState
+from serve_app.tenancy.headers import LimitState, share_remaining
 
 
 @dataclass(slots=True)
@@ -55,12 +56,17 @@ class TokenBucket:
         self._refill(now)
         self.level -= n
 
-    def state(self, limit: int, now: float, pending: float = 0.0) -> LimitState:
+    def state(self, limit: int, now: float, pending: float = 0.0, need: float = 1.0
+              ) -> LimitState:
         """What a client sees of this bucket now, ``pending`` tokens already taken: ``limit``
-        (the configured figure), the level, and the time until the bucket is full again."""
+        (the tenant's configured figure, also when this bucket holds only a router's share
+        of it), what is left of it (:func:`~serve_app.tenancy.headers.share_remaining`:
+        ``need`` is the level that admits one more request), and the time until the bucket
+        is full again."""
         self._refill(now)
         level = self.level - pending
-        return LimitState(limit, level, max(0.0, (self.capacity - level) / self.rate))
+        return LimitState(limit, share_remaining(level, self.capacity, limit, need),
+                          max(0.0, (self.capacity - level) / self.rate))
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +163,17 @@ class QuotaBook:
               ) -> tuple[LimitState | None, LimitState | None]:
         """``tenant``'s request and token buckets as the rate-limit headers report them (None:
         no such limit); ``pending_tokens``: tokens of a request that ended but is not settled
-        yet. The figures are this router replica's buckets (its share of each limit)."""
+        yet. The limits are the tenant's (not this replica's share of them), ``remaining``
+        this replica's share scaled to the limit, 0 while the share would refuse the next
+        request (the rule: :mod:`serve_app.tenancy.headers`)."""
         now = self.clock()
         rpm, tpm = self._rpm.get(tenant), self._tpm.get(tenant)
-        return (None if rpm is None else rpm.state(round(rpm.capacity), now),
-                None if tpm is None else tpm.state(round(tpm.capacity), now, pending_tokens))
+        limits = self._limits.get(tenant)
+        return (None if rpm is None or limits is None
+                else rpm.state(limits.requests_per_minute or 0, now),
+                # admit() takes a request while the token level is above zero
+                None if tpm is None or limits is None
+                else tpm.state(limits.tokens_per_minute or 0, now, pending_tokens, need=1e-9))
 
     def settle(self, tenant: str, tokens: int) -> None:
         """Charge ``tokens`` (prompt or completion) a request of ``tenant`` used, as they flow."""
