@@ -34,6 +34,14 @@ moves or changes it (Ray is pinned; read those tests before bumping it).
 * :func:`kv_put` / :func:`kv_get` / :func:`kv_list` / :func:`kv_del`: Ray's internal key-value
   store (the GCS), where the live tenant list, the last deployed config, the audit log and the
   tenants' token budget spend live (``ray.experimental.internal_kv``).
+* :func:`replica_placement_groups` / :func:`autoscaler_node_types`: the names Serve gives its
+  replicas' placement groups (``ReplicaID.to_full_id_str``), read from
+  ``ray.util.placement_group_table``, whose ``stats.scheduling_state`` is ``INFEASIBLE`` from
+  the GCS's first scheduling attempt when no node of the cluster can hold the group; and the
+  autoscaler's node types (``ray._private.state.state.get_cluster_config``, as Ray Data reads
+  them). Serve itself says a replica cannot be scheduled only after 30 s
+  (``SLOW_STARTUP_WARNING_S``): a model that can never be placed waited the whole
+  ``cold_start_timeout_s`` (issue 41 item 7).
 """
 
 from __future__ import annotations
@@ -160,6 +168,42 @@ def kv_list(prefix: str) -> list[str]:
             for k in _internal_kv_list(prefix.encode(), namespace=_KV_NAMESPACE)]
 
 
-__all__ = ["PowerOfTwoChoicesRequestRouter", "broadcast_each", "kv_del", "kv_get", "kv_list",
-           "kv_put", "on_data_plane", "probe_queue_lens", "reload_ray_config", "request_backoff",
+def replica_placement_groups(app: str, deployment: str) -> list[dict[str, Any]]:
+    """The placement groups of ``deployment``'s replicas in ``app`` as
+    ``ray.util.placement_group_table`` gives them (``state``, ``strategy``, ``bundles``: index
+    -> resources, ``stats.scheduling_state``); one GCS call. Needs a connected Ray worker."""
+    from ray.serve._private.common import ReplicaID
+    from ray.util import placement_group_table
+
+    groups = []
+    for group in placement_group_table().values():
+        name = group.get("name") or ""
+        if not ReplicaID.is_full_id_str(name):
+            continue
+        try:
+            rid = ReplicaID.from_full_id_str(name)
+        except (AssertionError, ValueError):
+            continue
+        if rid.deployment_id.app_name == app and rid.deployment_id.name == deployment:
+            groups.append(group)
+    return groups
+
+
+def autoscaler_node_types() -> list[dict[str, float]] | None:
+    """Per-node resources of each node type the cluster's autoscaler may add, as the v2
+    autoscaler (``ray up``'s default) reports them to the GCS; None when none is reported: a
+    fixed cluster, or a v1 autoscaler, which says nothing of its node types (Ray's own monitor
+    runs read-only on every head, so its status key cannot tell one that may add nodes)."""
+    import ray._private.state
+
+    config = ray._private.state.state.get_cluster_config()
+    if config is None or not config.node_group_configs:
+        return None
+    return [{k: float(v) for k, v in group.resources.items()}
+            for group in config.node_group_configs if group.max_count != 0 and group.resources]
+
+
+__all__ = ["PowerOfTwoChoicesRequestRouter", "autoscaler_node_types", "broadcast_each",
+           "kv_del", "kv_get", "kv_list", "kv_put", "on_data_plane", "probe_queue_lens",
+           "reload_ray_config", "replica_placement_groups", "request_backoff",
            "route_on_serve_loop", "uses_grpc", "with_version"]

@@ -50,7 +50,12 @@ _PER_TENANT_DEFAULT: int = RouterSettings.model_fields["max_queued_per_tenant"].
 
 
 class NoReplicaInTime(Exception):
-    """The request waited ``cold_start_timeout_s`` while its model had no live replica."""
+    """The request waited ``cold_start_timeout_s`` while its model had no live replica, or
+    ``reason`` says why its model's replica cannot be placed at all."""
+
+    def __init__(self, reason: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass(eq=False)
@@ -258,9 +263,9 @@ class AdmissionController:
             self.off_view = sum(w for r, w in self.on_replica.items() if r not in self.live)
         self._admit()
 
-    def expire_waiting(self, older_than_s: float) -> int:
+    def expire_waiting(self, older_than_s: float, reason: str | None = None) -> int:
         """Fail requests that have waited longer than ``older_than_s`` (their model has no live
-        replica); returns how many."""
+        replica; ``reason``: why it cannot have one); returns how many."""
         now = time.monotonic()
         expired = 0
         while True:
@@ -268,7 +273,7 @@ class AdmissionController:
             if waiter is None:
                 break
             if not waiter.future.done():
-                waiter.future.set_exception(NoReplicaInTime())
+                waiter.future.set_exception(NoReplicaInTime(reason))
                 expired += 1
         if not len(self.queue):
             self.blocked.clear()

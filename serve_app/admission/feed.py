@@ -13,7 +13,8 @@ the slow one's timeout: views fell from 48 to 15 a second, bench/RESULTS.md 27) 
 own work out of the count. A model with no replica has an empty view: its
 requests wait in the fair queue, one goes through to wake Serve's autoscaler
 (:data:`~serve_app.admission.policy.COLD_START_PROBE`), and after ``cold_start_timeout_s``
-they are answered 503. The poll runs every :meth:`EngineFeed.busy_period` while the model has
+they are answered 503, at once when the model's replica cannot be placed
+(:class:`PlacementCheck`). The poll runs every :meth:`EngineFeed.busy_period` while the model has
 requests in flight (``poll_interval_s``, longer with many routers so that each replica answers
 at most ``engine_polls_per_s`` polls a second), at once when requests start to queue, and
 every ``idle_poll_interval_s`` otherwise.
@@ -26,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
 
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
@@ -36,7 +38,11 @@ from serve_app.admission.policy import CapacityPolicy
 from serve_app.admission.share import share_of
 from serve_app.config import AdmissionSettings
 from serve_app.engine.protocol import EngineLoad
-from serve_app.serve_private import broadcast_each
+from serve_app.serve_private import (
+    autoscaler_node_types,
+    broadcast_each,
+    replica_placement_groups,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,83 @@ ANSWER_DEADLINE_S = 0.25
 # model a replica then answers more than engine_polls_per_s (64 routers: about 0.9 of a core,
 # 27b); pushing the load on the output channels is the way past that.
 BUSY_PERIOD_CAP_S = 0.1
+# While the model has no live replica and requests wait, its placement is checked this often
+# (one GCS read of the placement groups and nodes, off the event loop).
+PLACEMENT_CHECK_PERIOD_S = 1.0
+
+
+@dataclass(frozen=True)
+class PlacementFacts:
+    """What the cluster says about placing a model's replicas: ``groups`` are Serve's placement
+    groups of its replicas (``ray.util.placement_group_table`` entries), ``nodes`` the total
+    resources of each live node, ``node_types`` those of each node type an autoscaler may add
+    (None: none is reported, see :func:`~serve_app.serve_private.autoscaler_node_types`)."""
+
+    groups: list[dict[str, Any]]
+    nodes: list[dict[str, float]]
+    node_types: list[dict[str, float]] | None
+
+
+def _fits(bundles: list[dict[str, float]], strategy: str,
+          nodes: list[dict[str, float]]) -> bool:
+    """Whether some node shape of ``nodes`` can hold the group: all of it on one node under
+    STRICT_PACK, each bundle on some node otherwise (PACK spills over nodes)."""
+    def holds(node: dict[str, float], need: dict[str, float]) -> bool:
+        return all(node.get(key, 0.0) >= amount for key, amount in need.items() if amount > 0)
+
+    if strategy == "STRICT_PACK":
+        return any(holds(node, _total(bundles)) for node in nodes)
+    return all(any(holds(node, bundle) for node in nodes) for bundle in bundles)
+
+
+def _total(resources: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for item in resources:
+        for key, amount in item.items():
+            total[key] = total.get(key, 0.0) + float(amount)
+    return total
+
+
+def _shown(resources: dict[str, float], keys: Sequence[str]) -> str:
+    return ", ".join(f"{resources.get(k, 0.0):g} {k}" for k in keys) or "nothing"
+
+
+def cannot_place(facts: PlacementFacts) -> str | None:
+    """Why the model's replica cannot be placed, or None while it may be. It cannot when the
+    GCS found its placement group infeasible (no node of the cluster can hold it, decided at
+    its first scheduling attempt) and no autoscaler may add a node that could."""
+    for group in facts.groups:
+        if group.get("state") not in ("PENDING", "RESCHEDULING"):
+            continue
+        if group.get("stats", {}).get("scheduling_state") != "INFEASIBLE":
+            continue
+        bundles = [dict(b) for b in group.get("bundles", {}).values()]
+        strategy = str(group.get("strategy", "PACK"))
+        if facts.node_types is not None and _fits(bundles, strategy, facts.node_types):
+            return None  # the autoscaler may add a node that holds it
+        asked = _total(bundles)
+        keys = sorted(k for k, v in asked.items() if v > 0)
+        largest = max(facts.nodes, key=lambda n: tuple(n.get(k, 0.0) for k in keys),
+                      default={})
+        grows = "" if facts.node_types is None else "; its autoscaler adds no node that could"
+        return (f"its replica asks for {_shown(asked, keys)} ({len(bundles)} bundle(s), "
+                f"{strategy}) and no node can hold it (the largest node has "
+                f"{_shown(largest, keys)}; the cluster has {_shown(_total(facts.nodes), keys)} "
+                f"in {len(facts.nodes)} node(s){grows})")
+    return None
+
+
+def read_placement(app: str, deployment: str) -> PlacementFacts | None:
+    """The cluster's :class:`PlacementFacts` for ``deployment`` of ``app`` (blocking GCS reads:
+    call it off the event loop); None outside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    nodes = [{k: float(v) for k, v in n.get("Resources", {}).items()}
+             for n in ray.nodes() if n.get("Alive")]
+    return PlacementFacts(replica_placement_groups(app, deployment), nodes,
+                          autoscaler_node_types())
 
 
 class EngineFeed:
@@ -57,8 +140,11 @@ class EngineFeed:
 
     def __init__(self, model: str, handle: DeploymentHandle, admission: AdmissionController,
                  policy: CapacityPolicy, settings: AdmissionSettings, router_id: str,
-                 on_poll: Callable[[str, Sequence[EngineLoad], int], None] | None = None
+                 on_poll: Callable[[str, Sequence[EngineLoad], int], None] | None = None,
+                 placement: Callable[[], Awaitable[PlacementFacts | None]] | None = None
                  ) -> None:
+        """``placement`` reads the cluster's :class:`PlacementFacts` for the model (default:
+        :func:`read_placement` in a thread, for the handle's deployment)."""
         self.model = model
         self.handle = handle
         self.admission = admission
@@ -72,6 +158,13 @@ class EngineFeed:
         self._failures = 0
         self._answered: dict[str, tuple[EngineLoad, float]] = {}  # replica -> last answer, when
         self.held = 0  # answers stood in for a late replica, since start (admission_state)
+        # Why the model's replica cannot be placed (None: it may be, or nobody waits); set
+        # together with ``placement_failed``, which a request sent while cold waits on.
+        self.unplaceable: str | None = None
+        self.placement_failed = asyncio.Event()
+        self._placement = placement or self._read_placement
+        self._placement_task: asyncio.Task[None] | None = None
+        self._placement_checked = 0.0
 
     def start(self) -> None:
         """Start polling on the running event loop (idempotent)."""
@@ -136,7 +229,9 @@ class EngineFeed:
         self.polled_at = time.monotonic()
         a = self.admission
         total = self.policy.capacity(replicas)
-        capacity = share_of(total, replicas, self.router_id, a.in_flight + a.queued())
+        live = {r.replica for r in replicas}  # own work on a replica out of the view counts not
+        counted = a.in_flight - sum(w for r, w in a.on_replica.items() if r not in live)
+        capacity = share_of(total, replicas, self.router_id, a.queued(), counted)
         a.set_capacity(capacity, live=[r.replica for r in replicas])
         if not replicas:  # cold start: bound how long a request waits for the first replica
             a.expire_waiting(self.settings.cold_start_timeout_s)
@@ -151,6 +246,7 @@ class EngineFeed:
                     self.apply(replicas)
                 elif not self.replicas:  # no answer and none known: still a cold start
                     self.admission.expire_waiting(self.settings.cold_start_timeout_s)
+                self._watch_placement()
                 a = self.admission
                 if a.in_flight or len(a.queue):
                     await asyncio.sleep(self.busy_period())
@@ -165,3 +261,44 @@ class EngineFeed:
             except Exception:  # never let the feed die: admission would freeze
                 logger.exception("engine feed of %s failed; retrying", self.model)
                 await asyncio.sleep(self.settings.idle_poll_interval_s)
+
+    def _watch_placement(self) -> None:
+        """While the model has no live replica and requests wait, check at most every
+        ``PLACEMENT_CHECK_PERIOD_S`` (one check at a time) whether its replica can be placed;
+        the verdict holds only while they wait. An unplaceable model's waiting requests fail
+        at once (:meth:`_placed`)."""
+        a = self.admission
+        if self.replicas or not (a.in_flight or len(a.queue)):
+            self.unplaceable = None
+            self.placement_failed.clear()
+            return
+        if self.unplaceable is not None:  # requests that queued since the verdict
+            a.expire_waiting(-1.0, self.unplaceable)
+        now = time.monotonic()
+        if (self._placement_task is None or self._placement_task.done()) \
+                and now - self._placement_checked >= PLACEMENT_CHECK_PERIOD_S:
+            self._placement_checked = now
+            self._placement_task = asyncio.get_running_loop().create_task(self._check())
+
+    async def _check(self) -> None:
+        try:
+            facts = await self._placement()
+        except Exception as err:  # the check is advice: without it requests wait as before
+            logger.warning("placement check of %s failed: %r", self.model, err)
+            return
+        reason = cannot_place(facts) if facts is not None else None
+        a = self.admission
+        if self.replicas or not (a.in_flight or len(a.queue)):
+            return  # a replica came or nobody waits any more: the verdict is stale
+        if reason is not None and self.unplaceable is None:
+            logger.warning("%s cannot be placed: %s", self.model, reason)
+        self.unplaceable = reason
+        if reason is None:
+            self.placement_failed.clear()
+            return
+        self.placement_failed.set()
+        a.expire_waiting(-1.0, reason)
+
+    async def _read_placement(self) -> PlacementFacts | None:
+        return await asyncio.to_thread(read_placement, self.handle.app_name,
+                                       self.handle.deployment_name)

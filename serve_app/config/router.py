@@ -49,7 +49,9 @@ class AdmissionSettings(_Strict):
     )
     cold_start_timeout_s: float = Field(
         600.0, gt=0, description="A request waiting while its model has no live replica gets "
-        "503 with Retry-After after this long (a replica start takes minutes on GPUs).",
+        "503 with Retry-After after this long: keep it above a replica's cold start (minutes "
+        "on GPUs; 20-61 s for a CPU engine on 2 cores). A model whose replica cannot be placed "
+        "at all (no node can hold it) gets its 503 at once instead.",
     )
 
 

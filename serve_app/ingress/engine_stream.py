@@ -1,5 +1,6 @@
 """Reading one request's Serve stream from its LLMServer replica: the first chunk (the engine's
-refusal of the request becomes its 4xx; a cold start is bounded) and, for a non-streamed
+refusal of the request becomes its 4xx; a cold start is bounded, and ends at once when the
+model's replica cannot be placed) and, for a non-streamed
 answer, the rest of the chunks into its response builder, the tenant's charge told of each."""
 
 from __future__ import annotations
@@ -7,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ray.serve.handle import DeploymentResponseGenerator
 
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
 from serve_app.ingress.errors import OpenAIError
 from serve_app.ingress.responses import ResponseBuilder
+
+if TYPE_CHECKING:
+    from serve_app.admission.feed import EngineFeed
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +60,43 @@ async def first_chunk(gen: DeploymentResponseGenerator) -> GenerationChunk:
                           headers={"Retry-After": "1"}) from None
 
 
+def no_replica_error(model: str, timeout_s: float, unplaceable: str | None) -> OpenAIError:
+    """The 503 of a request whose model had no live replica: none started within
+    ``timeout_s`` (``cold_start_timeout_s``), or ``unplaceable`` says why none can."""
+    if unplaceable:
+        return OpenAIError(503, f"{model} cannot be placed on this cluster: {unplaceable}. "
+                           "Give the model fewer resources per replica or add a node that "
+                           "can hold one", code="model_cannot_be_placed",
+                           headers={"Retry-After": "10"})
+    return OpenAIError(503, f"{model} has no replica running yet and none started within "
+                       f"{timeout_s:g} s; retry shortly", headers={"Retry-After": "5"})
+
+
 async def first_chunk_of_cold_start(gen: DeploymentResponseGenerator, model: str,
-                                    arrived: float, timeout_s: float) -> GenerationChunk:
+                                    arrived: float, timeout_s: float,
+                                    feed: EngineFeed | None = None) -> GenerationChunk:
     """The first chunk of a request sent while its model had no live replica, within
     ``timeout_s`` (``cold_start_timeout_s``) of the request's arrival (a request that waited
-    that long in the queue before it was sent gets its 503 at once, not a second full wait)."""
+    that long in the queue before it was sent gets its 503 at once, not a second full wait),
+    or a 503 as soon as the model's ``feed`` finds its replica cannot be placed."""
     left = timeout_s - (time.monotonic() - arrived)
+    if left <= 0:
+        raise no_replica_error(model, timeout_s, None)
+    first = asyncio.ensure_future(first_chunk(gen))
+    waits: set[asyncio.Future[object]] = {first}
+    failed = None if feed is None else asyncio.ensure_future(feed.placement_failed.wait())
+    if failed is not None:
+        waits.add(failed)
     try:
-        if left <= 0:
-            raise asyncio.TimeoutError
-        return await asyncio.wait_for(first_chunk(gen), left)
-    except asyncio.TimeoutError:
-        raise OpenAIError(503, f"{model} has no replica running yet and none started "
-                          f"within {timeout_s:g} s; retry shortly",
-                          headers={"Retry-After": "5"}) from None
+        await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waits:
+            if not task.done():
+                task.cancel()
+    if first.done() and not first.cancelled():
+        return first.result()  # the first chunk, or the 4xx/503 first_chunk raised
+    unplaceable = feed.unplaceable if failed is not None and failed.done() else None
+    raise no_replica_error(model, timeout_s, unplaceable)
 
 
 def _engine_error(exc: BaseException) -> EngineRequestError | None:

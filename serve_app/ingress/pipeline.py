@@ -66,6 +66,7 @@ from serve_app.ingress.engine_stream import (
     first_chunk,
     first_chunk_of_cold_start,
     no_flow,
+    no_replica_error,
 )
 from serve_app.ingress.errors import OpenAIError
 from serve_app.ingress.http import disconnected, parse_request, read_json_body
@@ -253,10 +254,9 @@ class RequestPipeline:
             charge.refund()  # refused: the request costs no quota
             raise OpenAIError(429, f"{req.model} {full}", code="queue_full",
                               headers={"Retry-After": "1"}) from None
-        except NoReplicaInTime:
-            raise OpenAIError(503, f"{req.model} has no replica running yet and none started "
-                              f"within {self.settings.admission.cold_start_timeout_s:g} s; "
-                              "retry shortly", headers={"Retry-After": "5"}) from None
+        except NoReplicaInTime as late:
+            raise no_replica_error(req.model, self.settings.admission.cold_start_timeout_s,
+                                   late.reason) from None
         arrived = progress.arrived
         admitted = progress.admitted = time.monotonic()
         self.gate.admitted(tenant, req.model, admitted - arrived)
@@ -279,7 +279,8 @@ class RequestPipeline:
         try:
             if cold:
                 first = await first_chunk_of_cold_start(
-                    gen, req.model, arrived, self.settings.admission.cold_start_timeout_s)
+                    gen, req.model, arrived, self.settings.admission.cold_start_timeout_s,
+                    self.feeds[req.model])
             else:
                 first = await first_chunk(gen)
             slot.assign(first.replica)  # from now on it counts only while its replica is live

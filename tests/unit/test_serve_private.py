@@ -220,3 +220,54 @@ def test_private_should_backoff_makes_serves_routing_loop_back_off():
     unset, Serve asks again at once (a busy loop while every replica is full)."""
     assert _three_asks(backoff=True, initial_backoff_s=0.5) >= 0.45
     assert _three_asks(backoff=False, initial_backoff_s=0.5) < 0.3
+
+
+def test_private_replica_placement_group_names_and_infeasible_state_still_read_back(
+        monkeypatch):
+    """``replica_placement_groups`` finds a deployment's replica groups by the name Serve gives
+    them (the replica actor's, ``ReplicaID.to_full_id_str``, passed as the group's name by the
+    deployment scheduler) and reads ``stats.scheduling_state`` (INFEASIBLE) from the table
+    entry ``GlobalState._gen_placement_group_info`` builds of the GCS's record."""
+    import ray.util
+    from ray._private.state import GlobalState
+    from ray.core.generated import gcs_pb2
+    from ray.serve._private import deployment_scheduler, deployment_state
+
+    rid = ReplicaID(unique_id="abc", deployment_id=DEPLOYMENT)
+    name = rid.to_full_id_str()
+    assert "self._actor_name = replica_id.to_full_id_str()" in inspect.getsource(
+        deployment_state), "Serve no longer names replica actors by ReplicaID.to_full_id_str"
+    assert 'name=scheduling_request.actor_options["name"]' in inspect.getsource(
+        deployment_scheduler), "Serve no longer names a replica's placement group after it"
+    data = gcs_pb2.PlacementGroupTableData(
+        placement_group_id=b"\x01" * 18, name=name,
+        state=gcs_pb2.PlacementGroupTableData.PENDING,
+        stats=gcs_pb2.PlacementGroupStats(
+            scheduling_state=gcs_pb2.PlacementGroupStats.INFEASIBLE))
+    data.bundles.add().unit_resources["CPU"] = 64.0
+    entry = GlobalState()._gen_placement_group_info(data)
+    other = dict(entry, name=ReplicaID(unique_id="x", deployment_id=DeploymentID(
+        name="Router", app_name="app")).to_full_id_str())
+    monkeypatch.setattr(ray.util, "placement_group_table",
+                        lambda *_: {"1": entry, "2": other, "3": dict(entry, name="mine")})
+    groups = serve_private.replica_placement_groups("app", "LLMServer")
+    assert [g["name"] for g in groups] == [name]
+    assert groups[0]["state"] == "PENDING"
+    assert groups[0]["stats"]["scheduling_state"] == "INFEASIBLE"
+    assert list(groups[0]["bundles"].values()) == [{"CPU": 64.0}]
+
+
+def test_private_autoscaler_cluster_config_still_lists_node_types(monkeypatch):
+    """``autoscaler_node_types`` reads the v2 autoscaler's node types from
+    ``GlobalState.get_cluster_config`` (an ``autoscaler_pb2.ClusterConfig``)."""
+    import ray._private.state
+    from ray.core.generated import autoscaler_pb2
+
+    config = autoscaler_pb2.ClusterConfig()
+    group = config.node_group_configs.add(max_count=2)
+    group.resources["GPU"] = 1
+    config.node_group_configs.add(max_count=0).resources["CPU"] = 8
+    monkeypatch.setattr(ray._private.state.state, "get_cluster_config", lambda: config)
+    assert serve_private.autoscaler_node_types() == [{"GPU": 1.0}]
+    monkeypatch.setattr(ray._private.state.state, "get_cluster_config", lambda: None)
+    assert serve_private.autoscaler_node_types() is None
