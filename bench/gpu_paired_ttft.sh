@@ -16,7 +16,12 @@
 #   starts no new pair once the command has run this long, less the time to stop the servers)
 #   LOAD="IN/OUT/NUMS/CONCS ..." e.g. "128/1024/128,256/64,256" (requests per concurrency level,
 #   the levels); PROFILE_S=0 (>0: then the stack runs the last level again for that long plus
-#   8 s, under py-spy on its LLMServer and router replicas; summaries in the load table)
+#   8 s, under py-spy on its LLMServer and router replicas; summaries in the load table);
+#   GOVERNANCE=1: the stack serves two tenants with every governance path on (requests and
+#   tokens per minute, a token budget, a concurrency cap, usage records under $OUT/usage), set
+#   far above the load so that they cost what they cost without refusing anything; every
+#   request of both arms carries one of their keys (bare vLLM ignores it), and the stack's
+#   readiness is waited for with a key (/v1/models answers 401 without one)
 # The servers start once; the loads run, then the shapes one after the other. $OUT gets per load
 # load-IN-OUT.md (both arms' tables and their ratios) and per shape
 # paired-IN-OUT.md (the table) and paired-IN-OUT-pairs.csv (one row per pair); the tarball of
@@ -34,10 +39,20 @@ DIR=$WORK/paired
 rm -rf "$DIR"
 mkdir -p "$DIR" "$DEST"
 UTIL=${UTIL:-0.42}
+TENANT_ARGS=(); STACK_KEY=""; PAIR_KEY=()
+if [ "${GOVERNANCE:-0}" = 1 ]; then
+  KEY_A=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
+  KEY_B=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
+  export KEY_A KEY_B USAGE_DIR="$DEST/usage" GOVERNANCE
+  mkdir -p "$USAGE_DIR"
+  TENANT_ARGS=(--tenant "gov-a:$KEY_A:1" --tenant "gov-b:$KEY_B:1")
+  STACK_KEY=$KEY_A; PAIR_KEY=(--api-key "$KEY_A")
+fi
 
 # One config for both servers: the deployment's, with a share of the GPU and Server-Timing on
 # (the stack's side of the table shows where its time went).
 $PY - "$CONFIG" "$UTIL" > "$DIR/paired.yaml" <<'PY'
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +67,16 @@ model["path"] = load_config(path).models[0].path
 if model.get("device", "cpu") == "gpu":
     model.setdefault("engine_kwargs", {})["gpu_memory_utilization"] = float(util)
 cfg.setdefault("router", {})["server_timing"] = True
+if os.environ.get("GOVERNANCE") == "1":
+    from serve_app.tenancy.keys import key_digest
+
+    limits = {"requests_per_minute": 10**7, "tokens_per_minute": 10**10,
+              "max_concurrent_requests": 4096,
+              "token_budget": {"tokens": 10**13, "period": "day"}}
+    cfg["tenants"] = [{"name": name, "api_key_sha256": [key_digest(key)], **limits}
+                      for name, key in (("gov-a", os.environ["KEY_A"]),
+                                        ("gov-b", os.environ["KEY_B"]))]
+    cfg.setdefault("governance", {})["usage"] = {"dir": os.environ["USAGE_DIR"]}
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$DIR/paired.yaml').models[0].name)")
@@ -76,7 +101,7 @@ echo "== stack: serve-app run --config $DIR/paired.yaml --port 8000"
 setsid $PY -m serve_app.cli run --config "$DIR/paired.yaml" --port 8000 \
   > "$DIR/stack-server.log" 2>&1 &
 STACK=$!
-if ! wait_ready http://127.0.0.1:8000 "$STACK" 420; then finish; exit 1; fi
+if ! wait_ready http://127.0.0.1:8000 "$STACK" 420 "$STACK_KEY"; then finish; exit 1; fi
 echo "both ready after $(( $(date +%s) - T0 ))s"
 DEADLINE=$(( T0 + ${BUDGET_S:-540} - 45 ))
 for load in ${LOAD:-}; do
@@ -86,7 +111,8 @@ for load in ${LOAD:-}; do
     $PY -m serve_app.cli bench --base-url "$url" --model "$MODEL" --input-len "$IN" \
       --output-len "$OUTLEN" --num-requests "$NUMS" --concurrency "$CONCS" --warmup 2 \
       --token-range "${TOKEN_RANGE:-1000-20000}" --quiet --label "$arm ${IN}/${OUTLEN}" \
-      --seed 100 --out "$DIR/load-$IN-$OUTLEN-$arm" > "$DIR/load-$IN-$OUTLEN-$arm.log" 2>&1
+      --seed 100 --out "$DIR/load-$IN-$OUTLEN-$arm" "${TENANT_ARGS[@]}" \
+      > "$DIR/load-$IN-$OUTLEN-$arm.log" 2>&1
   done
   if [ "${PROFILE_S:-0}" -gt 0 ]; then
     # The stack at the last (busiest) level once more (prompts of their own: the pairs' and the
@@ -120,7 +146,7 @@ for shape in $SHAPES; do
     --model "$MODEL" --input-len "$IN" --output-len "$OUTLEN" --num "$PAIRS" \
     --warmup "${WARMUP:-4}" --gap-ms "${GAP_MS:-50}" --a-metrics http://127.0.0.1:8100/metrics \
     --max-seconds "$LEFT" --token-range "${TOKEN_RANGE:-1000-20000}" \
-    --out "$DIR/paired-${IN}-${OUTLEN}.json" \
+    --out "$DIR/paired-${IN}-${OUTLEN}.json" "${PAIR_KEY[@]}" \
     --pairs-csv "$DEST/paired-${IN}-${OUTLEN}-pairs.csv" | tee "$DEST/paired-${IN}-${OUTLEN}.md"
 done
 finish
