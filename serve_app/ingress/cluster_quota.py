@@ -114,6 +114,11 @@ class ClusterQuota:
                 self._leases.pop(name)
 
     @property
+    def link(self) -> ActorLink:
+        """The calls to the actor (shared with the replica's concurrency slots)."""
+        return self._link
+
+    @property
     def degraded(self) -> bool:
         """Whether this replica enforces its local share now: the actor did not answer in
         time, and has not answered since (an outage; see the module docstring)."""

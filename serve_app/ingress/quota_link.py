@@ -5,7 +5,9 @@ cluster quota (stated in :mod:`serve_app.ingress.cluster_quota`).
 until the actor first answered this replica: that call may create the actor, whose worker
 takes seconds to start on a loaded host). A call that fails or gets no answer in time begins an
 *outage*: every other call in flight is given up at once (its caller does not wait for its own
-time-out), the owner's ``on_outage`` runs once, the ``serve_app_quota_degraded`` gauge goes to
+time-out), the owner's ``on_outage`` (and every listener added with
+:meth:`ActorLink.add_outage_listener`: the link is shared by the replica's rate quota and its
+concurrency slots) runs once, the ``serve_app_quota_degraded`` gauge goes to
 1, and :attr:`ActorLink.outage` stays true until a call is answered again. Calls are not
 refused during an outage; the owner decides what to send (a probe every ``RETRY_S``, see
 :meth:`ActorLink.probe_due`). Giving up a call does not cancel it on the actor (Ray cannot):
@@ -52,13 +54,22 @@ class ActorLink:
         self.actor: Any = None
         self.in_flight = 0  # calls sent and not answered, failed or given up yet
         self._get_actor = get_actor
-        self._on_outage = on_outage
+        self._on_outage = [on_outage]
         self._routers = routers
         self._answered = False  # the actor answered this replica at least once
         self._outage = False
         self._outage_began = asyncio.Event()  # set when one begins: releases calls in flight
         self._retry_at = 0.0
         self._gauge: Any = None
+
+    def add_outage_listener(self, on_outage: Callable[[], None]) -> None:
+        """Call ``on_outage`` too when an outage begins."""
+        self._on_outage.append(on_outage)
+
+    @property
+    def answered(self) -> bool:
+        """Whether the actor answered this replica at least once."""
+        return self._answered
 
     @property
     def outage(self) -> bool:
@@ -113,7 +124,8 @@ class ActorLink:
                        "replica's share (1/%d) of every limit until it answers (tried again "
                        "every %g s)", self._routers, RETRY_S, exc_info=error)
         self._outage = True
-        self._on_outage()
+        for on_outage in self._on_outage:
+            on_outage()
         self._outage_began.set()
         self._outage_began = asyncio.Event()  # for the calls of the next outage
         self._set_gauge(1)

@@ -7,8 +7,10 @@ and the failure rule are in that module's docstring).
 It follows the live tenant list in the cluster's key-value store (the record the routers
 follow, :func:`serve_app.ingress.live_config.read_tenants`), and checkpoints its buckets there
 at most every ``CHECKPOINT_S``; an actor that is lost and started again (Ray restarts it, or a
-router's next call creates it) restores them, refilled for the time passed. It is a plain class
-(the routers wrap it with ``ray.remote``), so unit tests run it in-process.
+router's next call creates it) restores them, refilled for the time passed. It also leases the
+tenants' concurrency slots (:class:`~serve_app.tenancy.concurrency.SlotTable`; the routers'
+side is :mod:`serve_app.ingress.cluster_slots`). It is a plain class (the routers wrap it with
+``ray.remote``), so unit tests run it in-process.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from serve_app import serve_private
 from serve_app.config import TenantSettings
 from serve_app.ingress import live_config
+from serve_app.tenancy.concurrency import SlotTable
 from serve_app.tenancy.quota import ADMITTED, QuotaBook
 
 logger = logging.getLogger(__name__)
@@ -60,8 +63,9 @@ class QuotaState:
 
     def __init__(self, app_name: str, tenants: list[dict[str, Any]]) -> None:
         self.app_name = app_name
-        self.book = QuotaBook([TenantSettings.model_validate(t) for t in tenants],
-                              clock=time.time)
+        settings = [TenantSettings.model_validate(t) for t in tenants]
+        self.book = QuotaBook(settings, clock=time.time)
+        self.slot_table = SlotTable(settings)
         self.version: str | None = None
         self._tenants_read = 0.0
         self._checkpointed = 0.0
@@ -115,6 +119,7 @@ class QuotaState:
         if live is not None and live[0] != self.version:
             self.version = live[0]
             self.book.update(live[1])
+            self.slot_table.update(live[1])
         self._apply_checkpoint()
 
     # -- the routers' calls --------------------------------------------------------------------
@@ -154,3 +159,10 @@ class QuotaState:
         self._apply(charges, returns)
         self._checkpoint()
         return {t: _snapshot(self.book, t) for t in tenants}
+
+    def lease_slots(self, router: str, report: dict[str, list[int]]) -> dict[str, int | None]:
+        """Concurrency slots: ``report`` is tenant -> [sequences in flight, slots wanted] of
+        router replica ``router`` (an id it chose); the answer, tenant -> the slots it may use
+        now (:meth:`serve_app.tenancy.concurrency.SlotTable.sync`)."""
+        self._refresh_tenants()
+        return self.slot_table.sync(router, report)

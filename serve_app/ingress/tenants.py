@@ -19,6 +19,7 @@ from serve_app.config import AppConfig, TenantSettings
 from serve_app.admission.controller import AdmissionController
 from serve_app.engine.protocol import EngineLoad
 from serve_app.ingress.cluster_quota import ClusterQuota
+from serve_app.ingress.cluster_slots import ClusterSlots
 from serve_app.ingress.errors import OpenAIError
 from serve_app.observability.metrics import (
     LATENCY_BUCKETS_S,
@@ -55,8 +56,11 @@ class TenantGate:
                                      self.quotas)
                         if app_name is not None and config.governance.quota_scope == "cluster"
                         else None)
-        # Shared by every model's admission controller of this replica (the cap spans models).
-        self.caps = ConcurrencyCaps(config.tenants, share=1 / config.router.num_replicas)
+        # Shared by every model's admission controller of this replica (the cap spans models);
+        # with the cluster quota, its slots are leased from the quota actor by demand.
+        self.caps = ConcurrencyCaps(
+            config.tenants, share=1 / config.router.num_replicas,
+            slots=ClusterSlots(self.cluster.link) if self.cluster is not None else None)
         # Budgets are whole per tenant (not shared out): every replica sums all the records.
         self.budgets = BudgetBook(config.tenants)
         self._requests = _metric(Counter, "tenant_requests", "counter",
