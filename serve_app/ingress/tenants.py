@@ -57,10 +57,12 @@ class TenantGate:
                         if app_name is not None and config.governance.quota_scope == "cluster"
                         else None)
         # Shared by every model's admission controller of this replica (the cap spans models);
-        # with the cluster quota, its slots are leased from the quota actor by demand.
+        # with the cluster quota and several replicas, its slots are leased from the quota
+        # actor by demand (one replica's share is the whole cap: nothing to lease).
         self.caps = ConcurrencyCaps(
             config.tenants, share=1 / config.router.num_replicas,
-            slots=ClusterSlots(self.cluster.link) if self.cluster is not None else None)
+            slots=ClusterSlots(self.cluster.link)
+            if self.cluster is not None and config.router.num_replicas > 1 else None)
         # Budgets are whole per tenant (not shared out): every replica sums all the records.
         self.budgets = BudgetBook(config.tenants)
         self._requests = _metric(Counter, "tenant_requests", "counter",

@@ -116,7 +116,7 @@ def test_idle_slots_go_back_and_reach_the_router_whose_requests_wait(store):
         t0 = loop.time()
         waiting = [asyncio.create_task(r2.acquire("a", "normal")) for _ in range(2)]
         await _until(lambda: all(w.done() for w in waiting), timeout_s=1.0)
-        assert loop.time() - t0 < 0.2  # a few rounds of SYNC_S (0.01 here)
+        assert loop.time() - t0 < 0.5  # a few rounds of SYNC_S (0.01 here), not SLOT_TTL_S
         assert actor.state.slot_table.leased("a") == 2
         for _ in waiting:
             r2.release("a", 1)
@@ -184,3 +184,41 @@ def test_slot_table_frees_a_silent_routers_slots_and_forgets_a_removed_cap():
     assert table.sync("y", {"a": [0, 2]}) == {"a": 2}
     table.update([_tenant(cap=None)])
     assert table.sync("y", {"a": [2, 2]}) == {"a": None}
+
+
+def test_a_slow_first_answer_runs_requests_on_the_share_meanwhile(store, monkeypatch):
+    """A router's first call may create the actor (seconds): its requests do not wait for it
+    past CALL_TIMEOUT_S; the answer, when it comes, counts what they run."""
+    monkeypatch.setattr(quota_link, "CALL_TIMEOUT_S", 0.1)
+    routers, actor = _routers(2, [_tenant(cap=4)])
+    (g1, r1), _ = routers
+    actor.delay_s = 0.5  # the actor's worker starting
+
+    async def main():
+        await asyncio.wait_for(r1.acquire("a", "normal"), 0.4)
+        assert g1.caps.slots.degraded and g1.caps.cap("a") == 2  # the share, meanwhile
+        await _until(lambda: not g1.caps.slots.degraded, timeout_s=2.0)
+        assert actor.state.slot_table.leased("a") >= 1  # the running request counts there
+        r1.release("a", 1)
+    asyncio.run(main())
+
+
+def test_a_slot_being_given_back_is_not_used_meanwhile(store):
+    routers, actor = _routers(2, [_tenant(cap=2)])
+    (g1, r1), (_, r2) = routers
+
+    async def main():
+        await asyncio.gather(r1.acquire("a", "normal"), r1.acquire("a", "normal"))
+        r1.release("a", 1)
+        r1.release("a", 1)
+        actor.method_delay_s["lease_slots"] = 0.05  # every round stays on its way a while
+        await _until(lambda: (g1.caps.slots._asking or {}).get("a", 2) < 2, timeout_s=1.0)
+        assert g1.caps.cap("a") == 0  # what it gives back is not used while the call is out
+        assert not g1.caps.may_start("a")
+        actor.method_delay_s.clear()
+        await asyncio.wait_for(asyncio.gather(r2.acquire("a", "normal"),
+                                              r2.acquire("a", "normal")), 1)
+        assert actor.state.slot_table.leased("a") == 2
+        r2.release("a", 1)
+        r2.release("a", 1)
+    asyncio.run(main())
