@@ -36,6 +36,7 @@ waits on the actor for more than about ``CALL_TIMEOUT_S``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,8 @@ from serve_app.ingress.quota_link import ActorLink
 
 if TYPE_CHECKING:
     from serve_app.tenancy.concurrency import ConcurrencyCaps
+
+logger = logging.getLogger(__name__)
 
 SYNC_S = 0.25
 
@@ -133,6 +136,16 @@ class ClusterSlots:
     async def _sync(self) -> None:
         caps = self._caps
         assert caps is not None
+        actor = self._link.actor
+        if actor is not None and not hasattr(actor, "lease_slots"):
+            # Started by an older version (it is detached: it outlives deploys): it has no
+            # slots to lease. The static shares, without an outage (its quota still answers).
+            if not self._fallback:
+                logger.warning("the quota actor predates concurrency slots; enforcing this "
+                               "router replica's share of every concurrency cap until it is "
+                               "replaced")
+            self._fall_back()
+            return
         tenants = {t for t in (*self._limits, *self._blocked, *caps.held, *self._claims)
                    if caps.whole(t)}
         report: dict[str, list[int]] = {}

@@ -222,3 +222,24 @@ def test_a_slot_being_given_back_is_not_used_meanwhile(store):
         r2.release("a", 1)
         r2.release("a", 1)
     asyncio.run(main())
+
+
+def test_an_actor_of_an_older_version_leaves_the_share_without_an_outage(store):
+    """The quota actor is detached, so it outlives a deploy: one started before slots existed
+    has no lease_slots. The routers keep their static share; its rate quota still answers."""
+    routers, actor = _routers(2, [_tenant(cap=2)])
+    (g1, r1), _ = routers
+
+    class Older:
+        def __getattr__(self, name):
+            if name == "lease_slots":
+                raise AttributeError(name)
+            return getattr(actor, name)
+    g1.cluster._link.actor = Older()
+
+    async def main():
+        await asyncio.wait_for(r1.acquire("a", "normal"), 1)
+        await _until(lambda: g1.caps.slots.degraded)
+        assert g1.caps.cap("a") == 1 and not g1.cluster.degraded
+        r1.release("a", 1)
+    asyncio.run(main())
