@@ -184,6 +184,9 @@ class ClusterQuota:
     async def _flush_forever(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_S)
+            # Kept fresh, not only set when it changes: a series written once at a replica's
+            # first request was absent from Prometheus minutes later in the full suite.
+            self._link.publish_gauge()
             if self._link.outage:
                 self._maybe_probe()
             elif not self._link.in_flight:  # never a report beside a call still unanswered
@@ -298,8 +301,10 @@ class ClusterQuota:
 
     def publish_degraded(self) -> None:
         """Publish the ``serve_app_quota_degraded`` gauge with the current state (called at the
-        router replica's first request)."""
+        router replica's first request), and keep it published from the flush loop."""
         self._link.publish_gauge()
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
 
     def state(self, tenant: str, pending_tokens: int = 0
               ) -> tuple[LimitState | None, LimitState | None] | None:

@@ -138,7 +138,10 @@ def _http(address: str, port: int, method: str = "GET"
 
     answers = []
     for path in HTTP_PATHS:
-        conn = http.client.HTTPConnection(address, port, timeout=5)
+        # Long enough for an exporter's whole metrics page on a loaded machine (at 5 s one
+        # timed out in a full suite run and read as "not HTTP"); a gRPC server closes an HTTP/1
+        # connection at once, so the wait costs nothing there.
+        conn = http.client.HTTPConnection(address, port, timeout=30)
         try:
             conn.request(method, path, body=b"{}" if method == "POST" else None)
             response = conn.getresponse()
