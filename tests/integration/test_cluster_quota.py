@@ -11,6 +11,7 @@ check allows what refilled during the test."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -30,6 +31,7 @@ TENANTS = ("one-router", "both-routers", "router-restart")
 # length), and one whose traffic keeps the routers calling the actor meanwhile.
 SPENT_RPM, PROBE_RPM = 2, 600
 LOSS_TENANTS = {"actor-lost": SPENT_RPM, "actor-probe": PROBE_RPM}
+CAPPED, CAP = "capped-two", 2
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,9 @@ def two_routers(stack):
     keys = {name: new_key() for name in rpm}
     tenants = [TenantSettings(name=n, api_key_sha256=[key_digest(k)], requests_per_minute=rpm[n])
                for n, k in keys.items()]
+    keys[CAPPED] = new_key()  # no rate: its cap alone holds it (leased slots, not 1/2 each)
+    tenants.append(TenantSettings(name=CAPPED, api_key_sha256=[key_digest(keys[CAPPED])],
+                                  max_concurrent_requests=CAP))
     model = ModelSettings(name=MODEL, path=str(stack["path"]), device="cpu", max_model_len=2048,
                           engine_kwargs={"max_num_seqs": 8, "scripted_step_s": 0.005})
     router = cfg.router.model_copy(update={"num_replicas": 2})
@@ -108,6 +113,48 @@ def test_the_same_limit_spread_over_both_router_replicas(two_routers):
     started = time.monotonic()
     codes = [_send(ports[i % 2], two_routers["both-routers"]) for i in range(12)]
     assert RPM - 1 <= codes.count(200) <= _allowed(started), codes
+
+
+def _streams_in_engine(key: str, ports: list[int]) -> tuple[list[int], int]:
+    """One stream per port in ``ports`` at once (``key``'s tenant alone on the engine); their
+    statuses and the most requests the engine held at once (running and waiting)."""
+    from ray import serve
+
+    from serve_app.app import llm_server_name
+
+    server = serve.get_deployment_handle(llm_server_name(MODEL), app_name=APP)
+    codes: list[int] = []
+
+    def stream(port: int) -> None:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 100, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}{PREFIX}/v1/completions", json=body,
+                          timeout=120, headers={"Authorization": f"Bearer {key}"}) as r:
+            for _ in r.iter_lines():
+                pass
+            codes.append(r.status_code)
+
+    threads = [threading.Thread(target=stream, args=(p,), daemon=True) for p in ports]
+    for t in threads:
+        t.start()
+    peak = 0
+    while any(t.is_alive() for t in threads):
+        load = server.engine_load.remote().result(timeout_s=30)
+        peak = max(peak, load.running + load.waiting)
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    return codes, peak
+
+
+def test_a_cap_of_2_over_two_routers_holds_for_the_app_regression_cap_over_n(two_routers):
+    """max_concurrent_requests 2 with two router replicas: each router enforced 1 (its half).
+    Spread over both routers, never more than 2 of the tenant's requests are in the engine;
+    all on one router, 2 run at once (it was 1). Nothing is refused: the rest wait."""
+    ports = _router_ports()
+    spread, peak = _streams_in_engine(two_routers[CAPPED], [ports[i % 2] for i in range(8)])
+    assert spread == [200] * 8 and peak <= CAP, (spread, peak)
+    one, peak = _streams_in_engine(two_routers[CAPPED], [ports[0]] * 6)
+    assert one == [200] * 6 and peak == CAP, (one, peak)
 
 
 def test_a_router_replica_replaced_in_the_middle_refills_nothing(two_routers):
