@@ -89,7 +89,7 @@ def _ms(x: float) -> str:
 def table(results: list[Result]) -> str:
     """The markdown table of ``results`` (one row per shape x scenario)."""
     head = ("| shape | scenario | util. mean (worst 1 s) | engine waiting mean / worst "
-            "replica / max (headroom) | quiet wait p50/p99 ms | quiet TTFT p50/p99 ms (n) | "
+            "replica / max (headroom) | engine waiting worst 1 s (bar) | quiet wait p50/p99 ms | quiet TTFT p50/p99 ms (n) | "
             "sent to draining | failed / 429 | apply ms (views/s per router) | bars |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
@@ -98,7 +98,8 @@ def table(results: list[Result]) -> str:
         rows.append(
             f"| {r.routers}x{r.replicas} | {r.scenario} | {100 * r.util_mean:.1f}% "
             f"({100 * r.util_min_1s:.1f}%) | {r.waiting_mean:.2f} / {r.waiting_worst:.2f} / "
-            f"{r.waiting_max} ({r.headroom}) | {_ms(r.quiet_wait_p50_ms)}/"
+            f"{r.waiting_max} ({r.headroom}) | {r.waiting_worst_1s:.2f} "
+            f"({r.headroom + r.step_worth}) | {_ms(r.quiet_wait_p50_ms)}/"
             f"{_ms(r.quiet_wait_p99_ms)} | {_ms(r.quiet_ttft_p50_ms)}/"
             f"{_ms(r.quiet_ttft_p99_ms)} ({r.quiet_n}) | {r.sent_to_draining} | "
             f"{r.failed} / {r.rejected} | {r.apply_ms:.2f} ({r.polls_per_s:.0f}) | "

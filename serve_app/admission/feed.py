@@ -229,7 +229,7 @@ class EngineFeed:
         self.polled_at = time.monotonic()
         a = self.admission
         total = self.policy.capacity(replicas)
-        live = {r.replica for r in replicas}  # own work on a replica out of the view counts not
+        live = {r.replica for r in replicas}  # own work off the view counts not (controller)
         counted = a.in_flight - sum(w for r, w in a.on_replica.items() if r not in live)
         capacity = share_of(total, replicas, self.router_id, a.queued(), counted)
         a.set_capacity(capacity, live=[r.replica for r in replicas])
