@@ -63,6 +63,7 @@ class _Waiter:
     tenant: str
     band: Priority
     weight: int = 1
+    prepaid: float = 0.0
     future: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop()
                                         .create_future())
     since: float = field(default_factory=time.monotonic)
@@ -157,24 +158,33 @@ class AdmissionController:
         if self.live is not None and replica not in self.live:
             self.off_view += weight
 
-    async def acquire(self, tenant: str, band: Priority, weight: int = 1) -> int:
+    async def acquire(self, tenant: str, band: Priority, weight: int = 1,
+                      prepaid: float = 0.0) -> int:
         """Return once the request (``weight``: its sequences, the request's ``n``) may go to
         an engine, with its engine priority (see
         :func:`~serve_app.tenancy.fair_queue.engine_priority`); the caller must
-        :meth:`release` it with the same weight then.
+        :meth:`release` it with the same weight then, and the service still owed (negative:
+        what ``prepaid`` overestimated).
+
+        ``prepaid``: the fair-share service the request is expected to cost (its prompt and
+        most output, :func:`~serve_app.tenancy.fair_queue.service_of`), charged to its tenant
+        at the moment it is granted, before the queue chooses the next one. Charged only as
+        tokens came, every place freed at once (a batch of long generations ending together)
+        went to the tenant least served at that instant, which then held the engine for a
+        whole generation: two backlogged tenants took turns owning it (issue 37, finding 2).
         Raises :class:`QueueFull` when the request would have to wait beyond a bound
         (:meth:`_check_queue_bounds`), :class:`NoReplicaInTime` from :meth:`expire_waiting`.
         Cancellation while waiting (client gone) leaves nothing behind."""
         capped = self.caps is not None and not self.caps.may_start(tenant)
         if self.has_room() and not len(self.queue) and not capped:
-            return self._grant_unqueued(tenant, band, weight)
+            return self._grant_unqueued(tenant, band, weight, prepaid)
         if (not capped and not self.tenant_in_flight.get(tenant)
                 and len(self.overdraft) < self.first_request_slots
                 and not any(self.queue.waiting(b) for b in BANDS[:BANDS.index(band)])):
             self.overdraft.add(tenant)
-            return self._grant_unqueued(tenant, band, weight)
+            return self._grant_unqueued(tenant, band, weight, prepaid)
         self._check_queue_bounds(tenant, band)
-        waiter = _Waiter(tenant, band, weight)
+        waiter = _Waiter(tenant, band, weight, prepaid)
         self.queue.push(waiter, tenant, band)
         self.blocked.set()
         self._on_change(self)
@@ -189,7 +199,8 @@ class AdmissionController:
                 self._on_change(self)
             elif waiter.future.done() and not waiter.future.cancelled() \
                     and waiter.future.exception() is None:
-                self.release(tenant, 0, weight)  # admitted as we were cancelled: give it back
+                # Admitted as we were cancelled: give the place and the prepaid service back.
+                self.release(tenant, -prepaid, weight)
             raise
 
     def _check_queue_bounds(self, tenant: str, band: Priority) -> None:
@@ -216,13 +227,17 @@ class AdmissionController:
             if mine_here * tenants >= in_band:
                 raise QueueFull(band)
 
-    def _grant_unqueued(self, tenant: str, band: Priority, weight: int) -> int:
+    def _grant_unqueued(self, tenant: str, band: Priority, weight: int,
+                        prepaid: float) -> int:
         """Grant a request that never waited: it moves the band's virtual clock like a pop."""
         self.queue.served(tenant, band, newly_active=not self.tenant_in_flight.get(tenant))
-        return self._grant(tenant, band, weight)
+        return self._grant(tenant, band, weight, prepaid)
 
-    def _grant(self, tenant: str, band: Priority, weight: int) -> int:
-        """Count a released request; its engine priority reflects what its tenant had out."""
+    def _grant(self, tenant: str, band: Priority, weight: int, prepaid: float) -> int:
+        """Count a released request and charge its prepaid service; its engine priority
+        reflects what its tenant had out."""
+        if prepaid:
+            self.queue.charge(tenant, prepaid)
         held = self.tenant_in_flight.get(tenant, 0)
         self.tenant_in_flight[tenant] = held + 1
         self.in_flight += weight
@@ -289,7 +304,8 @@ class AdmissionController:
             admitted = True
             if waiter.future.done():  # cancelled before we got to it
                 continue
-            waiter.future.set_result(self._grant(waiter.tenant, waiter.band, waiter.weight))
+            waiter.future.set_result(self._grant(waiter.tenant, waiter.band, waiter.weight,
+                                                 waiter.prepaid))
         if not len(self.queue):
             self.blocked.clear()
         if admitted:
@@ -310,8 +326,10 @@ class Slot:
         self.priority = 0
 
     async def acquire(self, controller: AdmissionController, tenant: str, band: Priority,
-                      weight: int = 1) -> None:
-        self.priority = await controller.acquire(tenant, band, weight)
+                      weight: int = 1, prepaid: float = 0.0) -> None:
+        """Wait for a place (:meth:`AdmissionController.acquire`, ``prepaid`` charged when it
+        is granted)."""
+        self.priority = await controller.acquire(tenant, band, weight, prepaid)
         self._controller, self._tenant, self._weight = controller, tenant, weight
 
     def assign(self, replica: str | None) -> None:

@@ -14,17 +14,21 @@ Contract (the pipeline calls these on the router's event loop, in this order; ev
    plus ``n x max_tokens`` (``router.budget_reserve_max_tokens`` per choice when the client set
    no limit). Raises the 429. :meth:`Charge.refund` if the request is then refused (its queue
    is full): the rate charge and the reservation go back.
-2. :meth:`Charge.admitted` once it has an admission place: the fair queue to charge.
+2. :meth:`Charge.admitted` once it has an admission place: the fair queue to charge, and the
+   service the admission controller charged when it granted the place (:attr:`Charge.
+   expected_service`: the prompt's estimate and the most output, so that the fair queue's next
+   choice already sees it).
 3. :meth:`Charge.dispatched` just before the engine call: from here the request pays for its
    prompt. Its fair-share service is charged the prompt's estimate at once (a long prompt holds
-   the engine from now on).
+   the engine from now on) where the admission did not charge more already.
 4. :meth:`Charge.flow` with the request's cumulative token counts, once the first chunk came
    and then per chunk (batch) the router receives: the engine's exact prompt count replaces the
    estimate, and the new tokens are charged to TPM, the budget (the reservation shrinks by as
-   much) and the fair-share service. A long generation's tenant so rises in the fair queue
-   while it runs, not only when it ends.
+   much) and the fair-share service beyond what was charged already. A long generation's
+   tenant so rises in the fair queue as soon as it is admitted, not only when it ends.
 5. :meth:`Charge.settle` once, however the request ended: charges what the flow did not, gives
-   back the unused reservation, and returns the request's final figures for its metrics and
+   back the unused reservation (of the budget, and of the fair-share service: a negative
+   remainder), and returns the request's final figures for its metrics and
    usage record, with the fair-share service left to charge through the admission slot.
 
 The prompt estimate (:func:`estimate_prompt_tokens`) is exact for token-id prompts; for text
@@ -123,8 +127,16 @@ class Charge:
         self.settled = True
 
     # -- 2, 3. admission, dispatch -------------------------------------------------------------
-    def admitted(self, queue: ServiceLedger) -> None:
+    @property
+    def expected_service(self) -> float:
+        """The fair-share service this request may cost at most: its prompt's estimate and its
+        completion limit (what the admission controller charges when it grants the place)."""
+        return service_of(self.estimate, self.limit)
+
+    def admitted(self, queue: ServiceLedger, prepaid: float = 0.0) -> None:
+        """The request has its place; ``prepaid``: the service the controller charged then."""
         self.queue = queue
+        self.service = prepaid
 
     def dispatched(self) -> None:
         """The request goes to an engine now: its prompt's service is charged (estimated)."""
@@ -162,8 +174,10 @@ class Charge:
         self.gate.charge_tokens(self.tenant, more, release)
 
     def _serve(self, service: float) -> None:
-        """Charge the fair queue up to ``service`` (the first chunk may lower the estimate)."""
-        if self.queue is not None and service != self.service:
+        """Charge the fair queue up to ``service``, never below what was charged (the first
+        chunk may lower the estimate, and the prepaid service covers the request's most: what
+        was overcharged goes back at :meth:`settle`)."""
+        if self.queue is not None and service > self.service:
             self.queue.charge(self.tenant.name, service - self.service)
             self.service = service
 

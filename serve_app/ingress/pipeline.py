@@ -249,7 +249,8 @@ class RequestPipeline:
         channels when ``router.output_channels`` is on: the ticket says where."""
         controller = self.admission[req.model]
         try:
-            await slot.acquire(controller, tenant.name, tenant.priority, req.n)
+            await slot.acquire(controller, tenant.name, tenant.priority, req.n,
+                               charge.expected_service)
         except QueueFull as full:
             charge.refund()  # refused: the request costs no quota
             raise OpenAIError(429, f"{req.model} {full}", code="queue_full",
@@ -260,7 +261,7 @@ class RequestPipeline:
         arrived = progress.arrived
         admitted = progress.admitted = time.monotonic()
         self.gate.admitted(tenant, req.model, admitted - arrived)
-        charge.admitted(controller.queue)
+        charge.admitted(controller.queue, charge.expected_service)
         generation = req.to_generation(builder.request_id)
         generation.cache_salt = tenant.cache_salt  # from the tenant, never from the client
         generation.priority = slot.priority

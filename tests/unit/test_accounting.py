@@ -257,8 +257,10 @@ def test_a_finished_request_settles_its_reservation_to_the_real_count():
 @pytest.mark.parametrize("stream", [False, True])
 def test_fair_share_swings_regression_service_rises_while_a_long_generation_runs(stream):
     """Fair-queue service was charged only when a request ended, so a tenant of long
-    generations held the engines long before its service rose. It now rises with each chunk
-    the router receives, and the end charges only the remainder (the total is exact)."""
+    generations held the engines long before its service rose. It is now charged when the
+    request gets its place, for its prompt and its most output (charged as tokens came, places
+    freed together still went to one tenant: test_admission_queue_bounds.py), nothing more while
+    it runs, and the end settles to the exact total."""
     step = asyncio.Event()
     engine = Engine(tokens=40, per_chunk=4, step=step)
     pipeline, gate, controller, _ = _setup(engine, tokens_per_minute=100000)
@@ -297,8 +299,7 @@ def test_fair_share_swings_regression_service_rises_while_a_long_generation_runs
                 await asyncio.sleep(0.001)
 
     asyncio.run(main())
-    assert seen[0] > 0 and seen == sorted(seen) and seen[-1] > seen[0], seen
-    assert seen[-1] < PROMPT_TOKENS + 2 * 40  # charged before the end
+    assert seen[0] >= 2 * 40 and len(set(seen)) == 1, seen  # the whole output at once
     assert controller.queue.service("t") == PROMPT_TOKENS + 2 * 40  # exact, not twice
     assert _tpm_used(gate) == pytest.approx(PROMPT_TOKENS + 40, abs=1)
 

@@ -280,3 +280,43 @@ def test_tenant_served_below_capacity_moves_the_clock_regression_idle_tenant_wen
     assert sorted(order) == sorted("aaaabbbb")
     for i in range(1, len(order) + 1):  # every prefix is even to within one request
         assert abs(order[:i].count("a") - order[:i].count("b")) <= 1, order
+
+
+def test_places_freed_together_are_shared_regression_fair_share_swings():
+    """Four places free at once (a batch of long generations ends) while two tenants wait: one
+    asks 256-token outputs, the other 16. Service charged only as tokens came left the queue's
+    order unchanged during the round, so all four went to the tenant a little behind, which then
+    held the engine for a whole long generation (issue 37, finding 2: seen as windows of 0% and
+    100% with the scripted engine). Charged its expected service when granted, the long request
+    takes one place and the short ones the rest."""
+    from serve_app.admission.controller import AdmissionController
+    from serve_app.tenancy.fair_queue import service_of
+
+    long_cost, short_cost = service_of(1, 256), service_of(1, 16)
+
+    async def main() -> list[str]:
+        controller = AdmissionController(capacity=4, max_queued=100)
+        holders = [asyncio.ensure_future(controller.acquire("busy", "normal")) for _ in range(4)]
+        await asyncio.gather(*holders)
+        # The long tenant is slightly behind when the places free.
+        controller.queue.charge("long", 90)
+        controller.queue.charge("short", 100)
+        granted: list[str] = []
+
+        async def wait(tenant: str, cost: float) -> None:
+            await controller.acquire(tenant, "normal", prepaid=cost)
+            granted.append(tenant)
+
+        waiters = [asyncio.ensure_future(wait(t, c)) for _ in range(4)
+                   for t, c in (("long", long_cost), ("short", short_cost))]
+        await asyncio.sleep(0)
+        for _ in range(4):  # the batch ends together
+            controller.release("busy", 0)
+        await asyncio.sleep(0)
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        return granted
+
+    granted = asyncio.run(main())
+    assert sorted(granted) == ["long", "short", "short", "short"], granted
