@@ -24,8 +24,10 @@ Priority = Literal["high", "normal", "low"]
 
 
 class TokenBudget(_Strict):
-    """Tokens a tenant may use per calendar window (UTC), charged with prompt + completion
-    tokens as requests end; spent, it gets 429 `insufficient_quota` until the window ends."""
+    """Tokens a tenant may use per calendar window (UTC): a request reserves its prompt's
+    estimate and its most output at admission, is charged prompt + completion tokens as they
+    flow and settles at its end (serve_app/ingress/accounting.py); spent, the tenant gets 429
+    `insufficient_quota` until the window ends."""
 
     tokens: int = Field(ge=1, description="Prompt + completion tokens per period.")
     period: Literal["day", "month"] = Field(
@@ -49,8 +51,8 @@ class TenantSettings(_Strict):
     )
     tokens_per_minute: int | None = Field(
         None, ge=1, description="Prompt + completion tokens per minute (None = no limit). "
-        "Tokens are counted when a request ends; a tenant over its budget waits until it "
-        "refills.",
+        "Tokens are counted as they flow (a client that leaves during prefill pays its "
+        "prompt); a tenant over its limit gets 429 until the bucket refills.",
     )
     models: list[str] | None = Field(
         None, description="Models the tenant may use (None = all). Others look nonexistent."
@@ -64,7 +66,9 @@ class TenantSettings(_Strict):
         None, ge=1, description="Sequences (a request counts its `n`) the tenant may have in "
         "the engines at once, over all models (None = no cap). Requests beyond it wait in the "
         "tenant's queue, not refused; other tenants pass them. With several router replicas "
-        "each holds its share (at least 1).",
+        "the cap holds for the app: they lease its slots from the quota actor as their "
+        "requests need them (each its share, at least 1, with `quota_scope: replica` or "
+        "while the actor does not answer).",
     )
 
     @field_validator("name")
