@@ -89,11 +89,11 @@ def test_backlogged_tenants_share_generated_tokens_evenly_regression_fair_share_
     """team-a asks 16-token outputs, team-c 256-token ones, both normal priority, each with 36
     streams open. Over every 5 s window after the ramp-up, each gets 45-55% of the tokens.
     Regression (fair_share_swings): service was charged only when a request ended, so the
-    long-output tenant's service stood still while its requests ran, it won every freed place
-    and held most of the engine for seconds, then the order swung the other way (team-a's
-    share per window: 0.0, 0.27, 0.0, 0.35). Charged as its tokens came, places freed together
-    still all went to one tenant (0.31, 0.51, 0.51, 0.47); now a request is charged its
-    expected service when it gets its place."""
+    long-output tenant's service stood still while its requests ran. Charged as its tokens
+    came, the places freed together still all went to the tenant least served at that instant,
+    which then held the engine for a whole generation (team-a's share per window from 5 s:
+    0.0, 0.27, 0.0, 0.35); now a request is charged its expected service when it gets its
+    place (bench/RESULTS.md 37i)."""
     async def main() -> dict[str, list[int]]:
         tokens = {"team-a": [0] * (RAMP_UP + WINDOWS), "team-c": [0] * (RAMP_UP + WINDOWS)}
         t0 = time.monotonic()
