@@ -186,3 +186,34 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s")
         time.sleep(interval_s)
+
+
+def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
+                       step_s: float) -> str:
+    """Deploy the suite's router configuration and tenants in front of one scripted-engine
+    replica (``batch`` places, a step every ``step_s``) as ``app`` beside the shared stack, wait
+    until it lists its model, and return its base URL. The caller deletes it (serve.delete)."""
+    import httpx
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import ModelSettings
+    from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
+
+    settings = ModelSettings(name=model, path=str(stack["path"]), device="cpu",
+                             max_model_len=2048, engine_kwargs={
+                                 "max_num_seqs": batch, "scripted_step_s": step_s})
+    serve.run(build_app(stack["config"].model_copy(update={"models": [settings]}),
+                        SCRIPTED_ENGINE_CLASS),
+              name=app, route_prefix=prefix, blocking=False)
+    base = stack["base"] + prefix
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{base}/v1/models", headers=stack["headers"],
+                             timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(ready, 120, 0.2)
+    return base

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import wait_until
+from .conftest import start_scripted_app
 
 pytestmark = pytest.mark.integration
 
@@ -40,26 +40,7 @@ WINDOWS = 4
 def fair(stack):
     from ray import serve
 
-    from serve_app.app import build_app
-    from serve_app.config import ModelSettings
-    from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
-
-    cfg = stack["config"]
-    model = ModelSettings(name=MODEL, path=str(stack["path"]), device="cpu",
-                          max_model_len=2048, engine_kwargs={
-                              "max_num_seqs": BATCH, "scripted_step_s": STEP_S})
-    serve.run(build_app(cfg.model_copy(update={"models": [model]}), SCRIPTED_ENGINE_CLASS),
-              name=APP, route_prefix=PREFIX, blocking=False)
-    base = stack["base"] + PREFIX
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{base}/v1/models", headers=stack["headers"],
-                             timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, 120, 0.2)
+    base = start_scripted_app(stack, APP, PREFIX, MODEL, BATCH, STEP_S)
     yield {"base": base, "keys": stack["keys"]}
     serve.delete(APP)
 

@@ -210,4 +210,6 @@ def test_a_tenant_that_floods_its_replica_spills_to_the_other(affinity):
     taken = affinity["flood"]("team-c", 12, prompt=prompt, max_tokens=96, ignore_eos=True)
     other = next(rid for rid in ids if rid != home)
     assert taken[other] >= 1, taken
-    assert taken[home] > taken[other], taken
+    # At least as many: requests that end on the key's replica during the flood free places
+    # there, so the split at the bound can come out even (6/6 seen twice in full suite runs).
+    assert taken[home] >= taken[other], taken

@@ -203,8 +203,24 @@ class Verdict:
         return f"{self.listener} -> {self.target}: {self.how}"
 
 
-def probe(listener: Listener, host: str) -> Verdict:
-    """Call ``listener`` as a stranger (no token) at :func:`_target`."""
+def exporter_ports() -> set[int]:
+    """The ports Ray itself names as Prometheus exporters on this machine: each node's metrics
+    agent (``MetricsExportPort``), the dashboard's and the autoscaler monitor's."""
+    import ray
+    from ray.autoscaler._private.constants import AUTOSCALER_METRIC_PORT
+    from ray.dashboard.consts import DASHBOARD_METRIC_PORT
+
+    ports = {DASHBOARD_METRIC_PORT, AUTOSCALER_METRIC_PORT}
+    ports.update(int(n["MetricsExportPort"]) for n in ray.nodes()
+                 if n.get("Alive") and n.get("MetricsExportPort"))
+    return ports
+
+
+def probe(listener: Listener, host: str, exporters: frozenset[int] = frozenset()) -> Verdict:
+    """Call ``listener`` as a stranger (no token) at :func:`_target`. A port in ``exporters``
+    (:func:`exporter_ports`) may answer metrics text and nothing else; one that does not answer
+    in time (its page is rendered whole first, and after a long suite a loaded agent took over
+    30 s) is listed as such, not failed: only an answer other than metrics fails it."""
     target = _target(listener, host)
     try:
         socket.create_connection((target, listener.port), timeout=5).close()
@@ -213,6 +229,9 @@ def probe(listener: Listener, host: str) -> Verdict:
     except OSError as err:
         return Verdict(listener, target, f"unreachable ({err})", True)
     answers = _http(target, listener.port)
+    if answers is None and listener.port in exporters:
+        return Verdict(listener, target, "Ray's Prometheus exporter, no answer in time", False,
+                       exporter=True)
     if answers is not None:
         how = "HTTP " + ", ".join(f"{path} {status}" for path, status, _ in answers)
         if _is_metrics_exporter(target, listener.port, answers):
@@ -232,7 +251,9 @@ def probe_session(root_pid: int, host: str) -> tuple[list[Listener], list[Verdic
     """Every listener of the session under ``root_pid``, and a :class:`Verdict` for each one
     that is not on loopback."""
     listeners = session_listeners(root_pid)
-    verdicts = [probe(item, host) for item in listeners if not _is_loopback(item.address)]
+    exporters = frozenset(exporter_ports())
+    verdicts = [probe(item, host, exporters) for item in listeners
+                if not _is_loopback(item.address)]
     return listeners, verdicts
 
 

@@ -6,6 +6,8 @@ Generation lengths are capped before sending: the point is input handling, not l
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import schemathesis
@@ -55,6 +57,15 @@ def test_fuzzed_requests_never_get_a_server_error(case, stack):
         if isinstance(case.body.get("n"), int) and 2 < case.body["n"] <= 16:
             case.body["n"] = 2  # valid either way; n multiplies the decode work (n > 16: a 400)
     response = case.call(headers=stack["headers"], timeout=60)
+    # A 503 with Retry-After is the service saying "not now" (a replica restarting), which
+    # clients retry; asked again as it says, the same input must then get a real answer. Two
+    # full-suite runs got one such 503 for a case that passes alone; an input that always
+    # gets a 5xx still fails here.
+    for _ in range(3):
+        if response.status_code != 503 or "retry-after" not in response.headers:
+            break
+        time.sleep(float(response.headers["retry-after"]))
+        response = case.call(headers=stack["headers"], timeout=60)
     case.validate_response(response, checks=[not_a_server_error])
 
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import HEADROOM, wait_until
+from .conftest import HEADROOM, start_scripted_app, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -36,20 +36,11 @@ def scripted(stack):
     """The stack's router configuration and tenants in front of one scripted-engine replica."""
     from ray import serve
 
-    from serve_app.app import build_app, llm_server_name
-    from serve_app.config import ModelSettings
-    from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
+    from serve_app.app import llm_server_name
 
-    cfg = stack["config"]
-    model = ModelSettings(name=MODEL, path=str(stack["path"]), device="cpu",
-                          max_model_len=2048, engine_kwargs={
-                              "max_num_seqs": BATCH, "scripted_step_s": STEP_S})
-    serve.run(build_app(cfg.model_copy(update={"models": [model]}), SCRIPTED_ENGINE_CLASS),
-              name=APP, route_prefix=PREFIX, blocking=False)
+    base = start_scripted_app(stack, APP, PREFIX, MODEL, BATCH, STEP_S)
     router = serve.get_deployment_handle("Router", app_name=APP)
     server = serve.get_deployment_handle(llm_server_name(MODEL), app_name=APP)
-    base = stack["base"] + PREFIX
-    wait_until(lambda: _ok(f"{base}/v1/models", stack), 120, 0.2)
 
     def state() -> dict:
         return router.admission_state.remote().result(timeout_s=30)[MODEL]
@@ -59,13 +50,6 @@ def scripted(stack):
            "load": lambda: server.engine_load.remote().result(timeout_s=30),
            "hold": lambda held: server.engine_hold_steps.remote(held).result(timeout_s=30)}
     serve.delete(APP)
-
-
-def _ok(url: str, stack) -> bool:
-    try:
-        return httpx.get(url, headers=stack["headers"], timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 async def _complete(client: httpx.AsyncClient, s, tenant: str, ids: list, stream: bool = False,
