@@ -9,8 +9,8 @@ OUT=${OUT_DIR:-bench/out/fairness}
 CAP=${CAP:-4}; CONC=${CONC:-18}; N=${NUM:-180}; IN=${IN_LEN:-128}; OUTLEN=${OUT_LEN:-128}
 mkdir -p "$OUT"
 # Throwaway keys for this run only; results files record them redacted.
-HEAVY=$("$PY" -c "from serve_app.tenancy.keys import new_key; print(new_key())")
-LIGHT=$("$PY" -c "from serve_app.tenancy.keys import new_key; print(new_key())")
+HEAVY=$("$PY" -c "from serve_app.governance.keys import new_key; print(new_key())")
+LIGHT=$("$PY" -c "from serve_app.governance.keys import new_key; print(new_key())")
 for policy in fifo fair; do
   "$PY" - "$policy" "$HEAVY" "$LIGHT" "$CAP" > "$OUT/config-$policy.yaml" <<'PY'
 import sys
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from serve_app.tenancy.keys import key_digest
+from serve_app.governance.keys import key_digest
 
 policy, heavy, light, cap = sys.argv[1:5]
 cfg = yaml.safe_load(Path("deployments/local-cpu.yaml").read_text())

@@ -22,8 +22,8 @@ mkdir -p "$DIR"
 FLOOD_C=${FLOOD_C:-768}
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
 ensure_model "$CONFIG"
-FLOOD_KEY=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
-QUIET_KEY=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
+FLOOD_KEY=$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")
+QUIET_KEY=$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")
 # The stack's config: the deployment plus two tenants (throwaway keys), on loopback.
 $PY - "$CONFIG" "$FLOOD_KEY" "$QUIET_KEY" > "$DIR/stack-config.yaml" <<'PY'
 import sys
@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from serve_app.config import load_config
-from serve_app.tenancy.keys import key_digest
+from serve_app.governance.keys import key_digest
 
 path, flood, quiet = sys.argv[1:4]
 cfg = yaml.safe_load(Path(path).read_text())

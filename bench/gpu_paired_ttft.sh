@@ -41,8 +41,8 @@ mkdir -p "$DIR" "$DEST"
 UTIL=${UTIL:-0.42}
 TENANT_ARGS=(); STACK_KEY=""; PAIR_KEY=()
 if [ "${GOVERNANCE:-0}" = 1 ]; then
-  KEY_A=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
-  KEY_B=$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")
+  KEY_A=$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")
+  KEY_B=$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")
   export KEY_A KEY_B USAGE_DIR="$DEST/usage" GOVERNANCE
   mkdir -p "$USAGE_DIR"
   TENANT_ARGS=(--tenant "gov-a:$KEY_A:1" --tenant "gov-b:$KEY_B:1")
@@ -68,7 +68,7 @@ if model.get("device", "cpu") == "gpu":
     model.setdefault("engine_kwargs", {})["gpu_memory_utilization"] = float(util)
 cfg.setdefault("router", {})["server_timing"] = True
 if os.environ.get("GOVERNANCE") == "1":
-    from serve_app.tenancy.keys import key_digest
+    from serve_app.governance.keys import key_digest
 
     limits = {"requests_per_minute": 10**7, "tokens_per_minute": 10**10,
               "max_concurrent_requests": 4096,

@@ -38,7 +38,7 @@ CONC=${CONC:-32}; NUM=${NUM:-256}; PORT=${PORT:-8000}
 ensure_model "$CONFIG"
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
 KEYS=()
-for i in 0 1 2 3; do KEYS+=("$($PY -c "from serve_app.tenancy.keys import new_key; print(new_key())")"); done
+for i in 0 1 2 3; do KEYS+=("$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")"); done
 
 # The deployment with two engine replicas at UTIL each (one per Ray node), the router on the head,
 # four tenants (throwaway keys) and the policy given; written as DIR/POLICY.yaml.
@@ -50,7 +50,7 @@ from pathlib import Path
 import yaml
 
 from serve_app.config import load_config
-from serve_app.tenancy.keys import key_digest
+from serve_app.governance.keys import key_digest
 
 path, policy, util, *keys = sys.argv[1:]
 cfg = yaml.safe_load(Path(path).read_text())

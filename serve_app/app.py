@@ -170,7 +170,7 @@ def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CL
         m.model_dump(mode="json", exclude=set(ENGINE_UNREAD_FIELDS)), engine_class,
         code=engine_code)
         for m in config.models}
-    # Tenants are live (serve_app/ingress/live_config.py): every router replica adopts the
+    # Tenants are live (serve_app/governance/live_config.py): every router replica adopts the
     # published list within a second, so they are no part of the router's version. With them
     # in it, the first redeploy after a live tenant change (an engine argument, say) rolled the
     # routers too, and HAProxy's reload cut keep-alive connections (found by the two-node
@@ -305,7 +305,7 @@ def app_builder(args: dict[str, str]) -> Application:
     tenants like `serve-app deploy` does, with an audit record: the routers and the quota actor
     follow the published list, and without it a tenant added to the Secret had no limit (50 of
     50 requests admitted against its 6 per minute) and a lowered limit kept its old value."""
-    from serve_app.ingress.live_config import record_deploy
+    from serve_app.governance.live_config import record_deploy
 
     config = load_config(Path(args.get("config") or DEFAULT_CONFIG))
     record_deploy(APP_NAME, config, "rayservice")

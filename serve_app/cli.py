@@ -127,10 +127,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    """Sum the usage files per tenant and model (serve_app/observability/usage.py)."""
+    """Sum the usage files per tenant and model (serve_app/governance/usage.py)."""
     import json
 
-    from serve_app.observability.usage import (format_table, parse_since, read_records,
+    from serve_app.governance.usage import (format_table, parse_since, read_records,
                                                summarize, usage_files)
 
     paths = list(args.file or [])
@@ -232,7 +232,7 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
 def cmd_keys(args: argparse.Namespace) -> int:
     """Print a fresh API key for ``args.tenant`` (give it to the tenant) and the config entry
     that holds only its digest (put it in the deployment YAML)."""
-    from serve_app.tenancy.keys import key_digest, new_key
+    from serve_app.governance.keys import key_digest, new_key
 
     if args.action == "digest":
         key = sys.stdin.readline().strip()

@@ -157,8 +157,8 @@ def base_url(config: AppConfig) -> str:
 
 def _record(config: AppConfig, action: str) -> str:
     """Publish ``config`` and its tenants and add an audit record (``action``: start, live or
-    redeploy): :func:`serve_app.ingress.live_config.record_deploy`, every deploy path's step."""
-    from serve_app.ingress.live_config import record_deploy
+    redeploy): :func:`serve_app.governance.live_config.record_deploy`, every deploy path's step."""
+    from serve_app.governance.live_config import record_deploy
 
     return record_deploy(APP_NAME, config, action)
 
@@ -193,7 +193,7 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
     from ray import serve
 
     from serve_app.app import build_app
-    from serve_app.ingress.live_config import read_config
+    from serve_app.governance.live_config import read_config
 
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=False)  # the replicas' logs are not ours to print
@@ -221,9 +221,9 @@ def status(address: str | None = "auto") -> dict[str, Any]:
     from ray import serve
 
     from serve_app.app import ROUTER_DEPLOYMENT
-    from serve_app.ingress.budgets import budget_report
-    from serve_app.ingress.live_config import read_tenants
-    from serve_app.observability.audit import read_audit
+    from serve_app.governance.budgets import budget_report
+    from serve_app.governance.live_config import read_tenants
+    from serve_app.governance.audit import read_audit
 
     if not ray.is_initialized():
         # Replicas' log lines would otherwise stream into this process's stdout, after the

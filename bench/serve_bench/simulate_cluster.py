@@ -28,7 +28,7 @@ from serve_app.admission.feed import ANSWER_DEADLINE_S, EngineFeed
 from serve_bench.simulate_engine import EngineShape, SimReplica, SimRequest
 from serve_app.config import AdmissionSettings
 from serve_app.engine.router_reports import DEMAND_REPORT_TTL_S, RouterReports
-from serve_app.tenancy.fair_queue import service_of
+from serve_app.governance.fair_queue import service_of
 
 POLL_RTT_S = 0.001  # a broadcast's answers when every replica answers at once
 

@@ -1,5 +1,5 @@
 """Admission to one model's engines: at most ``capacity`` sequences in flight from this router
-replica; the rest wait in the router, in a :class:`~serve_app.tenancy.fair_queue.FairQueue`.
+replica; the rest wait in the router, in a :class:`~serve_app.governance.fair_queue.FairQueue`.
 
 A request weighs its ``n``: vLLM runs one sequence per choice, each taking a place in the
 engine's batch, and the engines' load that sets ``capacity`` counts sequences. Counting a
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Literal
 
 from serve_app.config import Priority, RouterSettings
-from serve_app.tenancy.concurrency import ConcurrencyCaps
-from serve_app.tenancy.fair_queue import BANDS, QUEUE_POLICIES, FairQueue, engine_priority
+from serve_app.governance.concurrency import ConcurrencyCaps
+from serve_app.governance.fair_queue import BANDS, QUEUE_POLICIES, FairQueue, engine_priority
 
 
 class QueueFull(Exception):
@@ -92,7 +92,7 @@ class AdmissionController:
                  caps: ConcurrencyCaps | None = None,
                  max_queued_per_tenant: int = _PER_TENANT_DEFAULT) -> None:
         """``on_change`` is called whenever the queue grows or shrinks (metrics); ``policy``
-        names the queue order (:data:`~serve_app.tenancy.fair_queue.QUEUE_POLICIES`).
+        names the queue order (:data:`~serve_app.governance.fair_queue.QUEUE_POLICIES`).
         ``max_queued`` and ``max_queued_per_tenant`` bound the waiting requests per band and
         per tenant (:meth:`acquire`).
 
@@ -106,7 +106,7 @@ class AdmissionController:
         whole generation (seen on an H200: 8.5 s for one of ten).
 
         ``caps``: per-tenant concurrency caps shared by the router replica's models
-        (:mod:`serve_app.tenancy.concurrency`); a tenant at its cap waits, and the queue passes
+        (:mod:`serve_app.governance.concurrency`); a tenant at its cap waits, and the queue passes
         it over for the others."""
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
@@ -162,12 +162,12 @@ class AdmissionController:
                       prepaid: float = 0.0) -> int:
         """Return once the request (``weight``: its sequences, the request's ``n``) may go to
         an engine, with its engine priority (see
-        :func:`~serve_app.tenancy.fair_queue.engine_priority`); the caller must
+        :func:`~serve_app.governance.fair_queue.engine_priority`); the caller must
         :meth:`release` it with the same weight then, and the service still owed (negative:
         what ``prepaid`` overestimated).
 
         ``prepaid``: the fair-share service the request is expected to cost (its prompt and
-        most output, :func:`~serve_app.tenancy.fair_queue.service_of`), charged to its tenant
+        most output, :func:`~serve_app.governance.fair_queue.service_of`), charged to its tenant
         at the moment it is granted, before the queue chooses the next one. Charged only as
         tokens came, every place freed at once (a batch of long generations ending together)
         went to the tenant least served at that instant, which then held the engine for a

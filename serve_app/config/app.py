@@ -26,7 +26,7 @@ Priority = Literal["high", "normal", "low"]
 class TokenBudget(_Strict):
     """Tokens a tenant may use per calendar window (UTC): a request reserves its prompt's
     estimate and its most output at admission, is charged prompt + completion tokens as they
-    flow and settles at its end (serve_app/ingress/accounting.py); spent, the tenant gets 429
+    flow and settles at its end (serve_app/governance/accounting.py); spent, the tenant gets 429
     `insufficient_quota` until the window ends."""
 
     tokens: int = Field(ge=1, description="Prompt + completion tokens per period.")

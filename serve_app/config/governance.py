@@ -11,7 +11,7 @@ from serve_app.config.base import _Strict
 
 
 class UsageSettings(_Strict):
-    """One JSON line per finished request (serve_app/observability/usage.py), through Python
+    """One JSON line per finished request (serve_app/governance/usage.py), through Python
     logging to a rotating file per router replica; `serve-app usage` sums them."""
 
     dir: str | None = Field(
@@ -47,11 +47,11 @@ class GovernanceSettings(_Strict):
     audit_retention_days: float = Field(
         365, gt=0, description="How long the audit trail keeps a record of a change of tenants "
         "or config (one record per deploy, in the cluster's key-value store; "
-        "serve_app/observability/audit.py). Older records are removed at the next deploy.")
+        "serve_app/governance/audit.py). Older records are removed at the next deploy.")
     quota_scope: Literal["cluster", "replica"] = Field(
         "cluster", description="`cluster`: one quota state for the app (a Ray actor), so "
         "every router replica enforces a tenant's whole requests_per_minute and "
         "tokens_per_minute together, and a router restart refills nothing; routers take "
         "leases of it in batches and fall back to their own share with a warning when it "
-        "does not answer (serve_app/ingress/cluster_quota.py). `replica`: each router replica "
+        "does not answer (serve_app/governance/cluster_quota.py). `replica`: each router replica "
         "holds its share (1/num_replicas) of every limit on its own.")

@@ -86,7 +86,7 @@ class RouterSettings(_Strict):
         "do not); one that sets it reserves exactly that. A request is admitted while the "
         "budget's spend plus the reservations in flight is below it, so concurrent requests "
         "spend at most the budget plus one reservation; one that generates past this guess "
-        "can overshoot by the excess (serve_app/tenancy/budget.py).",
+        "can overshoot by the excess (serve_app/governance/budget.py).",
     )
     queue_policy: Literal["fair", "fifo"] = Field(
         "fair", description="Order of requests waiting in the router: `fair` (priority bands, "

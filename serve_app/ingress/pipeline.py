@@ -1,12 +1,12 @@
 """The request pipeline of one router replica, in the order a generation request meets it:
 
 1. **authenticate**: API key -> tenant, by the live tenant list
-   (:meth:`serve_app.ingress.live_config.LiveTenants.authenticate`; 401);
+   (:meth:`serve_app.governance.live_config.LiveTenants.authenticate`; 401);
 2. **read**: a bounded body, validated into its OpenAI model (:mod:`serve_app.ingress.http`;
    400/413), and the model resolved for the tenant (404);
 3. **quota**: the tenant's token budget, reserving the request's most from it, and its rate
    and token limits, the latter for the whole app through the quota actor's leases
-   (:meth:`Charge.reserve <serve_app.ingress.accounting.Charge.reserve>`; 429 + Retry-After,
+   (:meth:`Charge.reserve <serve_app.governance.accounting.Charge.reserve>`; 429 + Retry-After,
    ``insufficient_quota`` for a spent budget);
 4. **admit**: a place in the model's in-flight limit and under the tenant's concurrency cap,
    waiting in the fair queue while there is none (:mod:`serve_app.admission`; 429 when the
@@ -21,7 +21,7 @@
    work is cancelled if unfinished, the charge settled (a client that left during prefill
    pays its prompt), the admission place freed, and its usage record written.
 
-What a request costs and when is :mod:`serve_app.ingress.accounting`'s contract.
+What a request costs and when is :mod:`serve_app.governance.accounting`'s contract.
 
 Every answer after authentication carries the tenant's ``x-ratelimit-*`` headers.
 
@@ -52,14 +52,14 @@ from serve_app.admission.feed import EngineFeed
 from serve_app.config import RouterSettings
 from serve_app.engine.protocol import GenerationChunk
 from serve_app.engine.timing import CACHED_TOKENS, server_timing_header, with_router_phases
-from serve_app.ingress.accounting import (
+from serve_app.governance.accounting import (
     Charge,
     Progress,
     completion_limit,
     estimate_prompt_tokens,
     record_usage,
 )
-from serve_app.ingress.budgets import BudgetSync
+from serve_app.governance.budgets import BudgetSync
 from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
 from serve_app.ingress.engine_stream import (
     collect_chunks,
@@ -70,14 +70,14 @@ from serve_app.ingress.engine_stream import (
 )
 from serve_app.ingress.errors import OpenAIError
 from serve_app.ingress.http import disconnected, parse_request, read_json_body
-from serve_app.ingress.live_config import LiveTenants
+from serve_app.governance.live_config import LiveTenants
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ingress.responses import Kind, ResponseBuilder
 from serve_app.ingress.stall import StallWatch
 from serve_app.ingress.streaming import GuardedStreamingResponse
-from serve_app.ingress.tenants import TenantGate
-from serve_app.observability.usage import UsageLog
-from serve_app.tenancy.keys import Tenant
+from serve_app.governance.tenants import TenantGate
+from serve_app.governance.usage import UsageLog
+from serve_app.governance.keys import Tenant
 
 logger = logging.getLogger(__name__)
 

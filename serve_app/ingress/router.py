@@ -2,7 +2,7 @@
 
 This class only wires the parts together and maps routes to them: the request pipeline
 (:mod:`serve_app.ingress.pipeline`: authenticate -> quota -> admit -> dispatch -> stream ->
-finish), the live tenant list (:mod:`serve_app.ingress.live_config`), the model cards
+finish), the live tenant list (:mod:`serve_app.governance.live_config`), the model cards
 (:mod:`serve_app.ingress.model_cards`), and per served model its admission controller and
 engine feed (:mod:`serve_app.admission`) and output channels
 (:mod:`serve_app.ingress.channels`).
@@ -24,17 +24,17 @@ from serve_app.admission import COLD_START_PROBE, capacity_policy
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.feed import EngineFeed
 from serve_app.config import APP_NAME, AppConfig
-from serve_app.ingress.budgets import BudgetSync
+from serve_app.governance.budgets import BudgetSync
 from serve_app.ingress.channels import ModelChannels
 from serve_app.ingress.errors import install_error_handlers
-from serve_app.ingress.live_config import LiveTenants
+from serve_app.governance.live_config import LiveTenants
 from serve_app.ingress.model_cards import ModelCards
 from serve_app.ingress.openapi import install as install_openapi
 from serve_app.ingress.openapi import request_body
 from serve_app.ingress.pipeline import RequestPipeline
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.ingress.tenants import TenantGate
-from serve_app.observability.usage import UsageLog
+from serve_app.governance.tenants import TenantGate
+from serve_app.governance.usage import UsageLog
 from serve_app.serve_private import on_data_plane, uses_grpc
 
 logger = logging.getLogger(__name__)

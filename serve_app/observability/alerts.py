@@ -94,7 +94,7 @@ def alert_rules() -> dict[str, Any]:
               "{{ $labels.application }}: router replicas enforce local quota shares: the "
               "app's quota actor does not answer",
               "Each router replica in an outage admits every tenant from its own 1/N share of "
-              "the limits (serve_app/ingress/cluster_quota.py): a tenant whose requests are "
+              "the limits (serve_app/governance/cluster_quota.py): a tenant whose requests are "
               "spread unevenly is refused early or, on replicas that had not served it, can "
               "pass its limit. Find the `<app>-quota` actor in `ray list actors` (namespace "
               "serve_app): dead, restarting, or its node overloaded. Routers probe it every "

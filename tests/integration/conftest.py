@@ -78,7 +78,7 @@ def stack(tiny_model_path, tmp_path_factory):
     from serve_app.app import APP_NAME, llm_server_name
     from serve_app.config import TenantSettings, load_config
     from serve_app.launch import start_stack, stop_stack
-    from serve_app.tenancy.keys import key_digest, new_key
+    from serve_app.governance.keys import key_digest, new_key
 
     # Read by the Serve controller and replicas Ray starts below (they inherit this environment).
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", SUITE_INGRESS_DRAIN_S)

@@ -43,7 +43,7 @@ def two_routers(stack):
     from serve_app.app import build_app
     from serve_app.config import ModelSettings, TenantSettings
     from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
-    from serve_app.tenancy.keys import key_digest, new_key
+    from serve_app.governance.keys import key_digest, new_key
 
     cfg = stack["config"]
     rpm = {**dict.fromkeys(TENANTS, RPM), **LOSS_TENANTS}
@@ -185,7 +185,7 @@ def _checkpointed_rpm(tenant: str) -> tuple[float, float] | None:
     """(level, updated) of ``tenant``'s request bucket in the quota actor's last checkpoint."""
     import json
 
-    from serve_app.ingress.cluster_quota import _checkpoint_key
+    from serve_app.governance.cluster_quota import _checkpoint_key
     from serve_app.serve_private import kv_get
 
     raw = kv_get(_checkpoint_key(APP))
@@ -197,7 +197,7 @@ def _quota_actor_id() -> str | None:
     """The id of the app's quota actor while one is alive."""
     from ray.util.state import list_actors
 
-    from serve_app.ingress.cluster_quota import actor_name
+    from serve_app.governance.cluster_quota import actor_name
 
     alive = list_actors(filters=[("name", "=", actor_name(APP)), ("state", "=", "ALIVE")])
     return alive[0].actor_id if alive else None
@@ -213,7 +213,7 @@ def test_a_lost_quota_actor_is_replaced_from_its_checkpoint_and_the_routers_serv
     only for the time since (a fresh actor would hold 2)."""
     import ray
 
-    from serve_app.ingress.cluster_quota import NAMESPACE, actor_name
+    from serve_app.governance.cluster_quota import NAMESPACE, actor_name
 
     ports = _router_ports()
     spent = [_send(ports[i % 2], two_routers["actor-lost"]) for i in range(SPENT_RPM)]

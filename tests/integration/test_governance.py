@@ -72,7 +72,7 @@ def test_concurrency_cap_holds_six_streams_to_two_in_flight_and_all_finish(stack
     waiting, waits in the router no longer than one admission round and gets its first token
     before one of `capped`'s streams could have finished (behind the queue it would wait for
     two of them)."""
-    from serve_app.observability.usage import read_records, usage_files
+    from serve_app.governance.usage import read_records, usage_files
 
     from .conftest import admission_state, wait_until
 
@@ -165,7 +165,7 @@ def test_usage_records_total_the_tenant_token_counters_and_hold_no_key_or_prompt
     ids = {r.headers["x-request-id"].split(",")[0] for r in answers if r.status_code == 200}
 
     def usage_totals() -> dict[str, dict]:
-        from serve_app.observability.usage import read_records, summarize, usage_files
+        from serve_app.governance.usage import read_records, summarize, usage_files
 
         files = usage_files([stack["usage_dir"]])
         recs = [r for r in read_records(files) if r["tenant"] in ("usage-a", "usage-b")]
@@ -302,7 +302,7 @@ def test_abandoned_prefill_is_free_regression_a_client_gone_before_its_first_tok
     record had no tokens. With the engine's steps held, tenant `team-c`'s request (a prompt of
     token ids) reaches the engine and gets no first chunk; its client leaves. Its usage record
     has status 499 and the prompt's tokens (exact for token ids), marked as estimated."""
-    from serve_app.observability.usage import read_records, usage_files
+    from serve_app.governance.usage import read_records, usage_files
 
     from .conftest import wait_until
 

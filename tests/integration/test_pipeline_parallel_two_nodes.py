@@ -48,7 +48,7 @@ def cluster(tiny_model_path, tmp_path_factory):
 
 
 def _config(path: Path, tiny_model_path: Path, port: int, key: str) -> Path:
-    from serve_app.tenancy.keys import key_digest
+    from serve_app.governance.keys import key_digest
 
     cfg = yaml.safe_load((REPO / "deployments" / "local-cpu-pp2.yaml").read_text())
     model = cfg["models"][0]
@@ -93,7 +93,7 @@ def _greedy(base: str, model: str, headers: dict[str, str] | None = None) -> lis
 
 def test_pp2_replica_on_the_worker_node_then_the_node_dies_under_a_stream(
         stack, cluster, tiny_model_path, tmp_path):
-    from serve_app.tenancy.keys import new_key
+    from serve_app.governance.keys import new_key
 
     port, key = free_port(), new_key()
     base = f"http://127.0.0.1:{port}"

@@ -19,7 +19,7 @@ import pytest
 from serve_app.engine.protocol import GenerationRequest, SamplingOptions
 from serve_app.routing.prefix_affinity import rendezvous_order
 from serve_app.routing.prefix_key import PrefixKeyer
-from serve_app.tenancy.keys import Tenant
+from serve_app.governance.keys import Tenant
 
 from .conftest import wait_until
 
@@ -156,7 +156,7 @@ def _prefix_hit_rate(affinity, request_ids: list[str]) -> float:
     """Cached prompt tokens over prompt tokens of ``request_ids``, as vLLM reported them for
     each request (the usage records' ``cached_tokens``: what its prefix-cache hit counter
     counts)."""
-    from serve_app.observability.usage import read_records, usage_files
+    from serve_app.governance.usage import read_records, usage_files
 
     def records() -> list[dict] | None:
         found = {r["request_id"]: r for r in read_records(usage_files([affinity["usage_dir"]]))

@@ -50,7 +50,7 @@ def cluster(tiny_model_path, tmp_path_factory):
 def access() -> tuple[int, dict[str, str]]:
     """The app's port and tenant keys, one set for the module: a later test deploys onto the
     app an earlier one left running (Serve's port cannot change without a restart)."""
-    from serve_app.tenancy.keys import new_key
+    from serve_app.governance.keys import new_key
 
     return free_port(), {"team-a": new_key(), "team-x": new_key()}
 
@@ -63,7 +63,7 @@ def _replicas(cluster: dict, deployment: str) -> list[dict]:
 
 def _config(path: Path, tiny_model_path: Path, port: int, keys: dict[str, str],
             seed: int) -> Path:
-    from serve_app.tenancy.keys import key_digest
+    from serve_app.governance.keys import key_digest
 
     cfg = yaml.safe_load((REPO / "deployments" / "local-cpu.yaml").read_text())
     model = cfg["models"][0]

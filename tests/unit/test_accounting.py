@@ -18,8 +18,8 @@ from serve_app.config import AppConfig, ModelSettings, RouterSettings, TenantSet
 from serve_app.engine.protocol import ChoiceDelta, GenerationChunk
 from serve_app.ingress.pipeline import RequestPipeline
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.ingress.tenants import TenantGate
-from serve_app.tenancy.keys import Tenant, key_digest, new_key
+from serve_app.governance.tenants import TenantGate
+from serve_app.governance.keys import Tenant, key_digest, new_key
 
 MODEL = "m"
 PROMPT_TOKENS = 5  # what the scripted engine reports for every prompt
@@ -306,7 +306,7 @@ def test_fair_share_swings_regression_service_rises_while_a_long_generation_runs
 
 # -- the estimate -------------------------------------------------------------------------------
 def test_prompt_estimate_is_exact_for_token_ids_and_bounded_for_text():
-    from serve_app.ingress.accounting import estimate_prompt_tokens
+    from serve_app.governance.accounting import estimate_prompt_tokens
 
     ids = CompletionRequest(model=MODEL, prompt=[1, 2, 3, 4])
     assert estimate_prompt_tokens(ids) == 4

@@ -11,8 +11,8 @@ import pytest
 
 from serve_app.admission.controller import AdmissionController, QueueFull
 from serve_app.config import ConfigError, RouterSettings, TenantSettings, parse_config
-from serve_app.tenancy.concurrency import ConcurrencyCaps
-from serve_app.tenancy.keys import key_digest, new_key
+from serve_app.governance.concurrency import ConcurrencyCaps
+from serve_app.governance.keys import key_digest, new_key
 
 POLICIES = ("fair", "fifo")
 
@@ -147,7 +147,7 @@ def test_per_tenant_bound_default_and_validation_name_the_field():
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_queues_count_waiting_per_band_and_tenant(policy):
-    from serve_app.tenancy.fair_queue import QUEUE_POLICIES
+    from serve_app.governance.fair_queue import QUEUE_POLICIES
 
     q = QUEUE_POLICIES[policy]()
     for item, tenant, band in (("a1", "a", "normal"), ("a2", "a", "normal"), ("a3", "a", "high"),

@@ -12,11 +12,11 @@ import yaml
 from serve_app.app import app_builder
 from serve_app.config import APP_NAME
 from serve_app.config.app import TENANTS_FILE_ENV
-from serve_app.ingress import live_config
-from serve_app.ingress.live_config import read_tenants
-from serve_app.observability import audit
-from serve_app.observability.audit import read_audit
-from serve_app.tenancy.keys import key_digest, new_key
+from serve_app.governance import live_config
+from serve_app.governance.live_config import read_tenants
+from serve_app.governance import audit
+from serve_app.governance.audit import read_audit
+from serve_app.governance.keys import key_digest, new_key
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "deployments" / "local-cpu.yaml")

@@ -8,10 +8,10 @@ import threading
 from datetime import datetime, timezone
 
 from serve_app.config import TenantSettings
-from serve_app.observability import audit
-from serve_app.observability.audit import (append_audit, audit_entry, read_audit,
+from serve_app.governance import audit
+from serve_app.governance.audit import (append_audit, audit_entry, read_audit,
                                            tenant_changes)
-from serve_app.tenancy.keys import key_digest, new_key
+from serve_app.governance.keys import key_digest, new_key
 
 DIGEST_A, DIGEST_A2, DIGEST_B = (key_digest(new_key()) for _ in range(3))
 

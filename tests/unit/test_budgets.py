@@ -8,12 +8,12 @@ from datetime import datetime, timezone
 import pytest
 
 from serve_app.config import AppConfig, ModelSettings, TenantSettings
-from serve_app.ingress import budgets as budgets_mod
-from serve_app.ingress.budgets import BudgetSync, budget_report
+from serve_app.governance import budgets as budgets_mod
+from serve_app.governance.budgets import BudgetSync, budget_report
 from serve_app.ingress.errors import OpenAIError
-from serve_app.ingress.tenants import TenantGate
-from serve_app.tenancy.budget import BudgetBook, window_of
-from serve_app.tenancy.keys import Tenant, key_digest, new_key
+from serve_app.governance.tenants import TenantGate
+from serve_app.governance.budget import BudgetBook, window_of
+from serve_app.governance.keys import Tenant, key_digest, new_key
 
 
 def _ts(*args: int) -> float:

@@ -11,7 +11,7 @@ from serve_app.admission import COLD_START_PROBE, capacity_policy
 from serve_app.admission.engine_feedback import EngineFeedbackCapacity
 from serve_app.admission.fixed import FixedCapacity
 from serve_app.engine.protocol import EngineLoad
-from serve_app.tenancy.fair_queue import engine_priority
+from serve_app.governance.fair_queue import engine_priority
 
 
 def load(active=0, running=0, waiting=0, kv=0.0, max_running=512, name="r0") -> EngineLoad:

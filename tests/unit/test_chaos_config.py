@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from serve_bench import chaos
 from serve_app.config import DEFAULT_CONFIG, load_config
-from serve_app.tenancy.keys import key_digest
+from serve_app.governance.keys import key_digest
 
 
 def test_chaos_config_two_small_replicas_short_queue_and_two_tenants():

@@ -10,11 +10,11 @@ import pytest
 
 from serve_app import serve_private
 from serve_app.config import TenantSettings
-from serve_app.ingress import cluster_quota, live_config, quota_link, quota_state
-from serve_app.ingress.cluster_quota import ClusterQuota, QuotaState
-from serve_app.tenancy.headers import ratelimit_headers
-from serve_app.tenancy.keys import key_digest, new_key
-from serve_app.tenancy.quota import QuotaBook
+from serve_app.governance import cluster_quota, live_config, quota_link, quota_state
+from serve_app.governance.cluster_quota import ClusterQuota, QuotaState
+from serve_app.governance.headers import ratelimit_headers
+from serve_app.governance.keys import key_digest, new_key
+from serve_app.governance.quota import QuotaBook
 
 
 def _tenant(name: str = "a", **limits) -> TenantSettings:

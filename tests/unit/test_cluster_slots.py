@@ -10,12 +10,12 @@ import pytest
 
 from serve_app.admission.controller import AdmissionController
 from serve_app.config import AppConfig, ModelSettings, TenantSettings
-from serve_app.ingress import cluster_slots, quota_link
-from serve_app.ingress.quota_state import QuotaState
-from serve_app.ingress.tenants import TenantGate
-from serve_app.tenancy import concurrency
-from serve_app.tenancy.concurrency import SlotTable
-from serve_app.tenancy.keys import key_digest, new_key
+from serve_app.governance import cluster_slots, quota_link
+from serve_app.governance.quota_state import QuotaState
+from serve_app.governance.tenants import TenantGate
+from serve_app.governance import concurrency
+from serve_app.governance.concurrency import SlotTable
+from serve_app.governance.keys import key_digest, new_key
 from tests.unit.test_cluster_quota import FakeActor, _until, store  # noqa: F401 (fixture)
 
 

@@ -6,9 +6,9 @@ import asyncio
 
 from serve_app.admission.controller import AdmissionController
 from serve_app.config import TenantSettings
-from serve_app.tenancy.concurrency import ConcurrencyCaps
-from serve_app.tenancy.fair_queue import FairQueue, FifoQueue
-from serve_app.tenancy.keys import key_digest, new_key
+from serve_app.governance.concurrency import ConcurrencyCaps
+from serve_app.governance.fair_queue import FairQueue, FifoQueue
+from serve_app.governance.keys import key_digest, new_key
 
 
 def _tenant(name: str, cap: int | None = None) -> TenantSettings:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from serve_app.admission.controller import AdmissionController, QueueFull
-from serve_app.tenancy.fair_queue import FairQueue, service_of
+from serve_app.governance.fair_queue import FairQueue, service_of
 
 
 def test_service_weights_output_twice():
@@ -79,7 +79,7 @@ def test_tenant_backlogged_in_an_empty_band_banks_no_credit():
 
 
 def test_engine_priority_orders_bands_then_the_tenants_share_of_the_engine():
-    from serve_app.tenancy.fair_queue import engine_priority
+    from serve_app.governance.fair_queue import engine_priority
 
     assert engine_priority("normal", 0) < engine_priority("normal", 500)
     # A band outranks any number of requests in flight.
@@ -166,7 +166,7 @@ def test_cancelled_waiter_leaves_no_trace():
 
 
 def test_fifo_policy_is_arrival_order_blind_to_tenants_and_bands():
-    from serve_app.tenancy.fair_queue import FifoQueue
+    from serve_app.governance.fair_queue import FifoQueue
 
     q: FifoQueue[str] = FifoQueue()
     q.push("a0", "a")
@@ -290,7 +290,7 @@ def test_places_freed_together_are_shared_regression_fair_share_swings():
     100% with the scripted engine). Charged its expected service when granted, the long request
     takes one place and the short ones the rest."""
     from serve_app.admission.controller import AdmissionController
-    from serve_app.tenancy.fair_queue import service_of
+    from serve_app.governance.fair_queue import service_of
 
     long_cost, short_cost = service_of(1, 256), service_of(1, 16)
 

@@ -57,7 +57,7 @@ def test_first_deploy_to_a_cluster_listens_where_the_config_says(monkeypatch):
 
     from serve_app import launch
     from serve_app.config import DEFAULT_CONFIG, load_config
-    from serve_app.ingress import live_config
+    from serve_app.governance import live_config
 
     cfg = load_config(DEFAULT_CONFIG)
     cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={

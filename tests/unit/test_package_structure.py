@@ -112,7 +112,7 @@ def test_no_import_circle_in_the_package():
     cycle = find_cycle(import_graph(ROOT, PACKAGE))
     assert cycle is None, (
         "import circle: " + " -> ".join(cycle) + ". Move what both sides need into the lower "
-        "layer (tenancy/config below ingress, metrics below everything), or import inside the "
+        "layer (governance/config below ingress, metrics below everything), or import inside the "
         "function that needs it if the circle is intended.")
 
 

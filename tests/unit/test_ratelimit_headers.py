@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from serve_app.config import TenantSettings
-from serve_app.tenancy.headers import LimitState, ratelimit_headers, reset_duration
-from serve_app.tenancy.keys import key_digest, new_key
-from serve_app.tenancy.quota import QuotaBook
+from serve_app.governance.headers import LimitState, ratelimit_headers, reset_duration
+from serve_app.governance.keys import key_digest, new_key
+from serve_app.governance.quota import QuotaBook
 
 
 class Clock:
@@ -71,7 +71,7 @@ def test_a_limit_the_tenant_does_not_have_gets_no_headers():
 def _gate(scope: str, routers: int = 2, **limits):
     """A router replica's tenant gate (one of ``routers``) for tenant ``a``, on a fake clock."""
     from serve_app.config import AppConfig, ModelSettings
-    from serve_app.ingress.tenants import TenantGate
+    from serve_app.governance.tenants import TenantGate
 
     cfg = AppConfig(models=[ModelSettings(name="m", path="m")], tenants=[_tenant(**limits)],
                     router={"num_replicas": routers}, governance={"quota_scope": scope})
@@ -85,7 +85,7 @@ def test_headers_state_the_tenants_limit_not_the_routers_share_regression_replic
     and 300, and its headers said so (limit 3, remaining 2 after one request), so a client
     read half its limit. The limit is the tenant's; remaining is the share scaled to it."""
     from serve_app.ingress.errors import OpenAIError
-    from serve_app.tenancy.keys import Tenant
+    from serve_app.governance.keys import Tenant
 
     gate, a = _gate("replica", requests_per_minute=6, tokens_per_minute=600), Tenant("a")
     full = gate.ratelimit_headers(a)
@@ -116,7 +116,7 @@ def test_headers_state_the_tenants_limit_not_the_routers_share_regression_quota_
     limit, and remaining scaled from the share the router enforces now."""
     import asyncio
 
-    from serve_app.tenancy.keys import Tenant
+    from serve_app.governance.keys import Tenant
 
     class Down:
         def __getattr__(self, method):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from serve_app.config import ConfigError, TenantSettings, parse_config
-from serve_app.tenancy.keys import ANONYMOUS, KeyRing, key_digest, new_key
-from serve_app.tenancy.quota import QuotaBook, TokenBucket
+from serve_app.governance.keys import ANONYMOUS, KeyRing, key_digest, new_key
+from serve_app.governance.quota import QuotaBook, TokenBucket
 
 KEY_A, KEY_B = new_key(), new_key()
 
@@ -168,7 +168,7 @@ def test_live_tenant_update_keeps_unchanged_buckets_and_drops_removed():
     """A redeploy must not refill anyone's quota; a changed limit applies at once; a removed
     tenant's state goes."""
     from serve_app.config import TenantSettings
-    from serve_app.tenancy.quota import QuotaBook
+    from serve_app.governance.quota import QuotaBook
 
     digest = "0" * 64
     now = [0.0]

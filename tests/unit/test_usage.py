@@ -9,7 +9,7 @@ import pytest
 
 from serve_app.cli import main
 from serve_app.config import UsageSettings
-from serve_app.observability.usage import (FIELDS, UsageLog, parse_since, read_records,
+from serve_app.governance.usage import (FIELDS, UsageLog, parse_since, read_records,
                                            summarize, usage_files)
 
 

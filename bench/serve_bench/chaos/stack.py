@@ -25,7 +25,7 @@ def chaos_config(base: AppConfig, port: int, stall_s: float = STALL_S
                  ) -> tuple[AppConfig, dict[str, str]]:
     """The embedded default with two engine replicas of a small batch, a short router queue and
     two tenants (fresh keys); returns the config and the keys."""
-    from serve_app.tenancy.keys import key_digest, new_key
+    from serve_app.governance.keys import key_digest, new_key
 
     keys = {name: new_key() for name in TENANTS}
     model = base.models[0]

@@ -2,9 +2,9 @@
 (``quota_scope: cluster``): a tenant's ``max_concurrent_requests`` holds for the whole app, not
 as 1/N on each of N router replicas.
 
-**The lease protocol.** The actor's :class:`~serve_app.tenancy.concurrency.SlotTable` owns each
+**The lease protocol.** The actor's :class:`~serve_app.governance.concurrency.SlotTable` owns each
 capped tenant's whole cap. A replica (:class:`ClusterSlots`, the slot source of its
-:class:`~serve_app.tenancy.concurrency.ConcurrencyCaps`) runs a tenant's requests while it has
+:class:`~serve_app.governance.concurrency.ConcurrencyCaps`) runs a tenant's requests while it has
 fewer sequences in flight than the slots it holds; that needs no call. It calls the actor
 (``lease_slots``: one call for all its tenants, never one per request, at most one in flight):
 
@@ -23,8 +23,8 @@ requests weigh their ``n`` (a request may pass the cap by less than its ``n``, a
 replica), during an outage (below), and for one round after the actor restarted (its table is
 rebuilt from the replicas' reports).
 
-**The failure rule** is the cluster quota's (:mod:`serve_app.ingress.cluster_quota`), on the
-same :class:`~serve_app.ingress.quota_link.ActorLink`: a call unanswered within
+**The failure rule** is the cluster quota's (:mod:`serve_app.governance.cluster_quota`), on the
+same :class:`~serve_app.governance.quota_link.ActorLink`: a call unanswered within
 ``CALL_TIMEOUT_S`` begins an outage, and from then each replica runs on its static share of
 every cap (1/N, at least one) until a call is answered again (a probe every ``RETRY_S``); the
 answer reconciles: the replica reports what it runs, and the actor counts it before granting
@@ -40,11 +40,11 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
-from serve_app.ingress import quota_link
-from serve_app.ingress.quota_link import ActorLink
+from serve_app.governance import quota_link
+from serve_app.governance.quota_link import ActorLink
 
 if TYPE_CHECKING:
-    from serve_app.tenancy.concurrency import ConcurrencyCaps
+    from serve_app.governance.concurrency import ConcurrencyCaps
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ SYNC_S = 0.25
 
 class ClusterSlots:
     """One router replica's leased slots (see the module docstring); the
-    :class:`~serve_app.tenancy.concurrency.SlotSource` of its caps. Single-threaded (the
+    :class:`~serve_app.governance.concurrency.SlotSource` of its caps. Single-threaded (the
     router's event loop)."""
 
     def __init__(self, link: ActorLink) -> None:

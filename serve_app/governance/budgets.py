@@ -28,7 +28,7 @@ from typing import Any
 
 from serve_app.config import TenantSettings
 from serve_app.serve_private import kv_del, kv_get, kv_list, kv_put
-from serve_app.tenancy.budget import BudgetBook, past_window, window_of
+from serve_app.governance.budget import BudgetBook, past_window, window_of
 
 logger = logging.getLogger(__name__)
 

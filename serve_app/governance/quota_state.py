@@ -1,15 +1,15 @@
 """The cluster's quota state: one Ray actor per app (detached, named ``<app>-quota``) that
 holds each tenant's request and token buckets at their full size (a :class:`QuotaBook` of share
-1 on the wall clock). Router replicas reach it through :class:`~serve_app.ingress.cluster_quota.
+1 on the wall clock). Router replicas reach it through :class:`~serve_app.governance.cluster_quota.
 ClusterQuota`, which takes leases from it and reports token usage in batches (the error bound
 and the failure rule are in that module's docstring).
 
 It follows the live tenant list in the cluster's key-value store (the record the routers
-follow, :func:`serve_app.ingress.live_config.read_tenants`), and checkpoints its buckets there
+follow, :func:`serve_app.governance.live_config.read_tenants`), and checkpoints its buckets there
 at most every ``CHECKPOINT_S``; an actor that is lost and started again (Ray restarts it, or a
 router's next call creates it) restores them, refilled for the time passed. It also leases the
-tenants' concurrency slots (:class:`~serve_app.tenancy.concurrency.SlotTable`; the routers'
-side is :mod:`serve_app.ingress.cluster_slots`). It is a plain class (the routers wrap it with
+tenants' concurrency slots (:class:`~serve_app.governance.concurrency.SlotTable`; the routers'
+side is :mod:`serve_app.governance.cluster_slots`). It is a plain class (the routers wrap it with
 ``ray.remote``), so unit tests run it in-process.
 """
 
@@ -23,9 +23,9 @@ from typing import Any
 
 from serve_app import serve_private
 from serve_app.config import TenantSettings
-from serve_app.ingress import live_config
-from serve_app.tenancy.concurrency import SlotTable
-from serve_app.tenancy.quota import ADMITTED, QuotaBook
+from serve_app.governance import live_config
+from serve_app.governance.concurrency import SlotTable
+from serve_app.governance.quota import ADMITTED, QuotaBook
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,6 @@ class QuotaState:
     def lease_slots(self, router: str, report: dict[str, list[int]]) -> dict[str, int | None]:
         """Concurrency slots: ``report`` is tenant -> [sequences in flight, slots wanted] of
         router replica ``router`` (an id it chose); the answer, tenant -> the slots it may use
-        now (:meth:`serve_app.tenancy.concurrency.SlotTable.sync`)."""
+        now (:meth:`serve_app.governance.concurrency.SlotTable.sync`)."""
         self._refresh_tenants()
         return self.slot_table.sync(router, report)

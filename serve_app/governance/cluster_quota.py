@@ -1,9 +1,9 @@
 """One quota state per cluster: every router replica enforces a tenant's whole RPM and TPM
 together, through one Ray actor, with leases so the hot path makes no remote call per request.
 
-**The actor** (:class:`~serve_app.ingress.quota_state.QuotaState`, one per app, detached, named
+**The actor** (:class:`~serve_app.governance.quota_state.QuotaState`, one per app, detached, named
 ``<app>-quota``) holds each tenant's buckets at their full size, follows the live tenant list
-and checkpoints its buckets (see :mod:`serve_app.ingress.quota_state`).
+and checkpoints its buckets (see :mod:`serve_app.governance.quota_state`).
 
 **Router replicas** (:class:`ClusterQuota`) take request tokens in leases: one call takes about a
 second's worth of the tenant's rate divided among the routers (at least one), and requests
@@ -39,7 +39,7 @@ served it. A call abandoned on time-out may still run on the actor later: a leas
 capacity held back until the bucket refills, and charges it carried are sent again (they
 count twice rather than never).
 
-The calls, their time-outs and outages are :class:`~serve_app.ingress.quota_link.ActorLink`'s;
+The calls, their time-outs and outages are :class:`~serve_app.governance.quota_link.ActorLink`'s;
 the replica's first call waits up to ``STARTUP_TIMEOUT_S``: it may create the actor, whose
 worker takes seconds to start on a loaded host.
 """
@@ -53,15 +53,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.config import TenantSettings
-from serve_app.ingress.quota_link import ActorLink
-from serve_app.ingress.quota_state import (  # noqa: F401 (importable from here, as before)
+from serve_app.governance.quota_link import ActorLink
+from serve_app.governance.quota_state import (  # noqa: F401 (importable from here, as before)
     NAMESPACE,
     QuotaState,
     _checkpoint_key,
     actor_name,
 )
-from serve_app.tenancy.headers import LimitState
-from serve_app.tenancy.quota import ADMITTED, Admission, QuotaBook
+from serve_app.governance.headers import LimitState
+from serve_app.governance.quota import ADMITTED, Admission, QuotaBook
 
 FLUSH_S = 0.25
 LEASE_WINDOW_S = 1.0
@@ -312,7 +312,7 @@ class ClusterQuota:
         lease and unreported usage: the actor's buckets hold the tenant's whole limits, so the
         figures are the tenant's. None during an outage or before the actor's first word: use
         the local book, whose figures are its share scaled to the tenant's limits
-        (:meth:`~serve_app.tenancy.quota.QuotaBook.state`), as its admission is now."""
+        (:meth:`~serve_app.governance.quota.QuotaBook.state`), as its admission is now."""
         limits = self._limited(tenant)
         lease = self._leases.get(tenant)
         if limits is None or lease is None or self.degraded or not lease.seen:

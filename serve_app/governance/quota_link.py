@@ -1,5 +1,5 @@
 """A router replica's calls to the app's quota actor, under the one failure rule of the
-cluster quota (stated in :mod:`serve_app.ingress.cluster_quota`).
+cluster quota (stated in :mod:`serve_app.governance.cluster_quota`).
 
 :class:`ActorLink` sends a call and waits ``CALL_TIMEOUT_S`` at most (``STARTUP_TIMEOUT_S``
 until the actor first answered this replica: that call may create the actor, whose worker

@@ -2,8 +2,8 @@
 flow, settled once at its end, however it ended (issue 37).
 
 A request pays for the engine work it caused, in three ledgers: the tenant's token quota (TPM)
-and token budget (:class:`~serve_app.ingress.tenants.TenantGate`), and its fair-share service
-in the model's fair queue (VTC, :mod:`serve_app.tenancy.fair_queue`). One :class:`Charge` per
+and token budget (:class:`~serve_app.governance.tenants.TenantGate`), and its fair-share service
+in the model's fair queue (VTC, :mod:`serve_app.governance.fair_queue`). One :class:`Charge` per
 request keeps what was charged where, so that no token is charged twice or never.
 
 Contract (the pipeline calls these on the router's event loop, in this order; every call after
@@ -49,13 +49,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.tenancy.fair_queue import service_of
-from serve_app.tenancy.keys import Tenant
+from serve_app.governance.fair_queue import service_of
+from serve_app.governance.keys import Tenant
 
 if TYPE_CHECKING:
     from serve_app.ingress.responses import ResponseBuilder
-    from serve_app.ingress.tenants import TenantGate
-    from serve_app.observability.usage import UsageLog
+    from serve_app.governance.tenants import TenantGate
+    from serve_app.governance.usage import UsageLog
 
 BYTES_PER_TOKEN = 3
 # Tokens a chat template adds around each message (role markers) and once per prompt (BOS).
@@ -66,7 +66,7 @@ ABANDONED = frozenset({499, 408})
 
 
 class ServiceLedger(Protocol):
-    """The fair queue's side: :meth:`FairQueue.charge <serve_app.tenancy.fair_queue.FairQueue.
+    """The fair queue's side: :meth:`FairQueue.charge <serve_app.governance.fair_queue.FairQueue.
     charge>` (a FIFO queue's does nothing)."""
 
     def charge(self, tenant: str, service: float) -> None: ...

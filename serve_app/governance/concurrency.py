@@ -7,14 +7,14 @@ may start while its tenant has fewer sequences in flight than its cap, whatever 
 :meth:`~serve_app.admission.controller.AdmissionController.has_room`: requiring room for the
 whole weight would starve a request whose ``n`` is above the cap), so the count may pass the
 cap by less than the largest ``n``. Requests beyond it wait in the tenant's queue; a tenant at
-its cap cannot hold the fair queue's head (:meth:`serve_app.tenancy.fair_queue.FairQueue.pop`
+its cap cannot hold the fair queue's head (:meth:`serve_app.governance.fair_queue.FairQueue.pop`
 skips it), so other tenants pass it. Nor can its waiting requests shut its band to the others:
 the band's bound refuses only tenants holding their equal share of it, and each tenant's queue
 has its own bound (``router.max_queued_per_tenant``; see
 :meth:`serve_app.admission.controller.AdmissionController._check_queue_bounds`).
 
 **Several router replicas.** With a :class:`SlotSource` (``quota_scope: cluster``: the app's
-quota actor, :mod:`serve_app.ingress.cluster_slots`) the cap is the tenant's whole cap for the
+quota actor, :mod:`serve_app.governance.cluster_slots`) the cap is the tenant's whole cap for the
 app: each replica may run as many sequences as it holds *slots* leased from the actor's
 :class:`SlotTable`, which never leases more than the cap in all, and leases by demand (a replica
 whose requests wait asks; one whose slots idle gives them back). While the source has no word
@@ -40,7 +40,7 @@ SLOT_TTL_S = 3.0
 
 
 class SlotSource(Protocol):
-    """Where a replica's slots come from (:class:`~serve_app.ingress.cluster_slots.ClusterSlots`).
+    """Where a replica's slots come from (:class:`~serve_app.governance.cluster_slots.ClusterSlots`).
     Called by :class:`ConcurrencyCaps` on the router's event loop, never awaited."""
 
     def bind(self, caps: ConcurrencyCaps) -> None:
@@ -149,7 +149,7 @@ class _Holder:
 
 class SlotTable:
     """The app's concurrency slots, held by the quota actor
-    (:class:`~serve_app.ingress.quota_state.QuotaState`): each capped tenant's whole cap,
+    (:class:`~serve_app.governance.quota_state.QuotaState`): each capped tenant's whole cap,
     leased to router replicas by demand. A replica calls :meth:`sync` with, per tenant, the
     sequences it has in flight and the slots it wants (all of the cap while its requests wait,
     else what it used lately); the answer is the slots it may use from then on.

@@ -1,7 +1,7 @@
 """Token budgets over a calendar window: ``token_budget: {tokens: N, period: day|month}``.
 
 A tenant with a budget is charged prompt + completion tokens as they flow (the same figures as
-its TPM and its usage record; :mod:`serve_app.ingress.accounting`). Each request *reserves* its
+its TPM and its usage record; :mod:`serve_app.governance.accounting`). Each request *reserves* its
 most at admission: its prompt's estimated tokens plus ``n x max_tokens``
 (``router.budget_reserve_max_tokens`` per choice when the client gave no limit). A request is admitted while
 the window's spend plus the tokens reserved by requests in flight is below ``tokens``; its
@@ -19,7 +19,7 @@ same tenant. So each router replica keeps its own spend per (tenant, window) as 
 written under its own key; a tenant's spend is the sum of every record of the window (records of
 replicas that are gone still count). Reservations are local to the replica that holds them:
 they are never written, so a replica that dies leaves only what its requests really used.
-:class:`BudgetBook` is the pure bookkeeping; :mod:`serve_app.ingress.budgets` moves records to
+:class:`BudgetBook` is the pure bookkeeping; :mod:`serve_app.governance.budgets` moves records to
 and from Ray's key-value store, and deletes past windows' records.
 
 With N router replicas, a tenant can pass its budget by the reservations in flight on the other
@@ -170,7 +170,7 @@ class BudgetBook:
         if spend is not None and tokens > 0:
             spend.own += tokens
 
-    # -- the store's side (serve_app/ingress/budgets.py) ----------------------------------------
+    # -- the store's side (serve_app/governance/budgets.py) ----------------------------------------
     def windows(self) -> dict[str, str]:
         """Tenant -> its current window id, for every tenant with a budget."""
         out = {}

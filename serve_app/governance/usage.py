@@ -7,7 +7,7 @@ completion and cached prompt tokens (null where the engine does not report them)
 finish reason, queue wait, time to first token and duration. Every request that reached an
 engine has one with the tokens it was charged, including a request whose client left (status
 499): one that left during its prefill is billed its prompt's estimate (``prompt_estimated``
-true; :mod:`serve_app.ingress.accounting`), since the engine's count never came. It never holds a key, a key digest
+true; :mod:`serve_app.governance.accounting`), since the engine's count never came. It never holds a key, a key digest
 or any prompt or output text: the record is built from named fields only (:data:`FIELDS`).
 
 Token figures are the same numbers the router adds to its per-tenant Prometheus counters

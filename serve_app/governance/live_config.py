@@ -24,8 +24,8 @@ from serve_app.config import AppConfig, TenantSettings
 from serve_app.serve_private import kv_get, kv_put
 
 if TYPE_CHECKING:
-    from serve_app.ingress.tenants import TenantGate
-    from serve_app.tenancy.keys import Tenant
+    from serve_app.governance.tenants import TenantGate
+    from serve_app.governance.keys import Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def record_deploy(app_name: str, config: AppConfig, action: str) -> str:
     The audit record is skipped when neither the config nor the tenants changed (an app
     builder that runs again for the same config), and a failed audit write is logged, never
     raised: the change is made, and a lost record must not undo or hide it."""
-    from serve_app.observability.audit import audit_entry, append_audit
+    from serve_app.governance.audit import audit_entry, append_audit
 
     before = read_tenants(app_name)
     dumped = config.model_dump(mode="json")

@@ -3,7 +3,7 @@
 * RPM: a request takes one token from the tenant's request bucket when admitted.
 * TPM: tokens are debited as they flow (prompt + completion, from the engine's counts, per chunk
   the router receives; a request whose client left during its prefill pays its prompt's
-  estimate: :mod:`serve_app.ingress.accounting`); a request is admitted while the tenant's token
+  estimate: :mod:`serve_app.governance.accounting`); a request is admitted while the tenant's token
   bucket is above zero. A tenant can overshoot by what its requests in flight generate before
   the bucket reaches zero, and then waits until it refills; nothing is charged for tokens never
   produced. TPM reserves nothing at admission, unlike a token budget: with the cluster-wide
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from serve_app.config import TenantSettings
-from serve_app.tenancy.headers import LimitState, share_remaining
+from serve_app.governance.headers import LimitState, share_remaining
 
 
 @dataclass(slots=True)
@@ -60,7 +60,7 @@ class TokenBucket:
               ) -> LimitState:
         """What a client sees of this bucket now, ``pending`` tokens already taken: ``limit``
         (the tenant's configured figure, also when this bucket holds only a router's share
-        of it), what is left of it (:func:`~serve_app.tenancy.headers.share_remaining`:
+        of it), what is left of it (:func:`~serve_app.governance.headers.share_remaining`:
         ``need`` is the level that admits one more request), and the time until the bucket
         is full again."""
         self._refill(now)
@@ -165,7 +165,7 @@ class QuotaBook:
         no such limit); ``pending_tokens``: tokens of a request that ended but is not settled
         yet. The limits are the tenant's (not this replica's share of them), ``remaining``
         this replica's share scaled to the limit, 0 while the share would refuse the next
-        request (the rule: :mod:`serve_app.tenancy.headers`)."""
+        request (the rule: :mod:`serve_app.governance.headers`)."""
         now = self.clock()
         rpm, tpm = self._rpm.get(tenant), self._tpm.get(tenant)
         limits = self._limits.get(tenant)

@@ -1,9 +1,9 @@
 """The router's tenant gate: who is asking (API key -> tenant), may they use this model, are they
 within their quota (and their budget's reservation); the tenant's token charges as they flow,
 and its metrics once a request ends. What one request owes, and when each of these is called,
-is :mod:`serve_app.ingress.accounting`'s business.
+is :mod:`serve_app.governance.accounting`'s business.
 
-Pure decisions live in :mod:`serve_app.tenancy`; this module turns them into OpenAI errors and
+Pure decisions live in :mod:`serve_app.governance`; this module turns them into OpenAI errors and
 Ray metrics.
 """
 
@@ -18,8 +18,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from serve_app.config import AppConfig, TenantSettings
 from serve_app.admission.controller import AdmissionController
 from serve_app.engine.protocol import EngineLoad
-from serve_app.ingress.cluster_quota import ClusterQuota
-from serve_app.ingress.cluster_slots import ClusterSlots
+from serve_app.governance.cluster_quota import ClusterQuota
+from serve_app.governance.cluster_slots import ClusterSlots
 from serve_app.ingress.errors import OpenAIError
 from serve_app.observability.metrics import (
     LATENCY_BUCKETS_S,
@@ -27,12 +27,12 @@ from serve_app.observability.metrics import (
     ROUTER_METRICS,
     exported_name,
 )
-from serve_app.tenancy.budget import BudgetBook
-from serve_app.tenancy.concurrency import ConcurrencyCaps
-from serve_app.tenancy.fair_queue import BANDS
-from serve_app.tenancy.headers import ratelimit_headers
-from serve_app.tenancy.keys import KeyRing, Tenant
-from serve_app.tenancy.quota import Admission, QuotaBook
+from serve_app.governance.budget import BudgetBook
+from serve_app.governance.concurrency import ConcurrencyCaps
+from serve_app.governance.fair_queue import BANDS
+from serve_app.governance.headers import ratelimit_headers
+from serve_app.governance.keys import KeyRing, Tenant
+from serve_app.governance.quota import Admission, QuotaBook
 
 
 def _metric(cls: type, key: str, kind: str, tags: tuple[str, ...], **kwargs: object) -> Any:
@@ -48,7 +48,7 @@ class TenantGate:
 
     def __init__(self, config: AppConfig, app_name: str | None = None) -> None:
         """With ``app_name`` and ``governance.quota_scope: cluster``, rates are enforced for
-        the whole app through its quota actor (:mod:`serve_app.ingress.cluster_quota`), this
+        the whole app through its quota actor (:mod:`serve_app.governance.cluster_quota`), this
         replica's share in :attr:`quotas` being the fallback; else by :attr:`quotas` alone."""
         self.keys = KeyRing(config.tenants)
         self.quotas = QuotaBook(config.tenants, share=1 / config.router.num_replicas)
@@ -183,7 +183,7 @@ class TenantGate:
         have); ``pending_tokens``: the tokens of the request being answered, not yet settled.
         The limits are the tenant's whole limits in every quota scope and during a quota
         outage; ``remaining`` is what the replica enforcing it now knows (the cluster quota's
-        view, else this replica's share scaled to the limit: :mod:`serve_app.tenancy.headers`)."""
+        view, else this replica's share scaled to the limit: :mod:`serve_app.governance.headers`)."""
         state = (self.cluster.state(tenant.name, pending_tokens)
                  if self.cluster is not None else None)
         return ratelimit_headers(*(state or self.quotas.state(tenant.name, pending_tokens)))

@@ -1,1 +1,0 @@
-"""Tenancy: API keys -> tenant, per-tenant quotas. Pure Python (no Ray), unit-tested alone."""
