@@ -5,6 +5,9 @@
 #
 # usage: bench/gpu_compare.sh IN_LEN OUT_LEN NUM_REQUESTS [CONCURRENCY] [CONFIG] [EXTRA_BENCH_ARGS...]
 #   e.g. bench/gpu_compare.sh 1024 128 32,256,512 1,64,256
+#   A config with tenants: pass their keys as bench arguments (`--tenant name:KEY:share`, one
+#   or more); the stack's readiness is then waited for with the first of them, since
+#   /v1/models answers 401 without a key (API_KEY=... overrides; bare vLLM ignores keys).
 # On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_compare.sh ...` (frees the GPU
 # and ports an earlier command left, sets the bundle's environment); on your own GPU machine,
 # with the project installed, run it directly (`make bench-vs-bare`).
@@ -22,8 +25,17 @@ mkdir -p "$DIR"
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
 # The config's model folder; written as a config-only shape (SHAPE) when missing.
 ensure_model "$CONFIG"
-
-
+# The key readiness is asked with: API_KEY, else the first `--tenant name:KEY:share` argument.
+READY_KEY=${API_KEY:-}
+for ((i = 0; i < ${#EXTRA[@]}; i++)); do
+  [ -n "$READY_KEY" ] && break
+  spec=""
+  case "${EXTRA[$i]}" in
+    --tenant=*) spec=${EXTRA[$i]#--tenant=} ;;
+    --tenant) spec=${EXTRA[$((i + 1))]:-} ;;
+  esac
+  [ -n "$spec" ] && { rest=${spec#*:}; READY_KEY=${rest%:*}; }
+done
 
 bench() {  # url arm
   $PY -m serve_app.cli bench --base-url "$1" --model "$MODEL" --input-len "$IN" \
@@ -47,7 +59,7 @@ T0=$(date +%s)
 require_free_port 8000 || exit 1
 setsid $PY -m serve_app.cli run --config "$CONFIG" --port 8000 > "$DIR/stack-server.log" 2>&1 &
 STACK=$!
-wait_ready http://127.0.0.1:8000 $STACK 420 && bench http://127.0.0.1:8000 stack
+wait_ready http://127.0.0.1:8000 $STACK 420 "$READY_KEY" && bench http://127.0.0.1:8000 stack
 stop $STACK
 echo "stack arm took $(( $(date +%s) - T0 ))s"
 
