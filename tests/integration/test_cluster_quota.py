@@ -40,12 +40,9 @@ def two_routers(stack):
     (RPM 6 each); yields their keys and a function listing the router replicas' own ports."""
     from ray import serve
 
-    from serve_app.app import build_app
-    from serve_app.config import ModelSettings, TenantSettings
-    from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
+    from serve_app.config import TenantSettings
     from serve_app.governance.keys import key_digest, new_key
 
-    cfg = stack["config"]
     rpm = {**dict.fromkeys(TENANTS, RPM), **LOSS_TENANTS}
     keys = {name: new_key() for name in rpm}
     tenants = [TenantSettings(name=n, api_key_sha256=[key_digest(k)], requests_per_minute=rpm[n])
@@ -53,30 +50,48 @@ def two_routers(stack):
     keys[CAPPED] = new_key()  # no rate: its cap alone holds it (leased slots, not 1/2 each)
     tenants.append(TenantSettings(name=CAPPED, api_key_sha256=[key_digest(keys[CAPPED])],
                                   max_concurrent_requests=CAP))
-    model = ModelSettings(name=MODEL, path=str(stack["path"]), device="cpu", max_model_len=2048,
-                          engine_kwargs={"max_num_seqs": 8, "scripted_step_s": 0.005})
-    router = cfg.router.model_copy(update={"num_replicas": 2})
-    serve.run(build_app(cfg.model_copy(update={"models": [model], "router": router,
-                                               "tenants": tenants}), SCRIPTED_ENGINE_CLASS),
-              name=APP, route_prefix=PREFIX, blocking=False)
-    wait_until(lambda: len(_router_ports()) == 2, 180, 0.5)
+    start_two_router_app(stack, APP, PREFIX, MODEL, tenants)
     yield keys
     serve.delete(APP)
 
 
-def _router_ports() -> list[int]:
-    """The HTTP ports this app's router replicas listen on themselves (that answer)."""
+def start_two_router_app(stack, app: str, prefix: str, model: str, tenants: list,
+                         router: dict | None = None, batch: int = 8,
+                         step_s: float = 0.005) -> list[int]:
+    """Deploy ``app`` at ``prefix``: two router replicas (the suite's router settings, with
+    ``router``'s changes) with ``tenants`` in front of one scripted-engine replica of ``model``
+    (``batch`` places, a step every ``step_s``), beside the shared stack. Returns the two
+    router replicas' own ports once both answer; the caller deletes the app (serve.delete)."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import ModelSettings
+    from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
+
+    cfg = stack["config"]
+    settings = ModelSettings(name=model, path=str(stack["path"]), device="cpu",
+                             max_model_len=2048,
+                             engine_kwargs={"max_num_seqs": batch, "scripted_step_s": step_s})
+    routers = cfg.router.model_copy(update={"num_replicas": 2, **(router or {})})
+    serve.run(build_app(cfg.model_copy(update={"models": [settings], "router": routers,
+                                               "tenants": tenants}), SCRIPTED_ENGINE_CLASS),
+              name=app, route_prefix=prefix, blocking=False)
+    return wait_until(lambda: len(p := router_ports(app, prefix)) == 2 and p, 180, 0.5)
+
+
+def router_ports(app: str = APP, prefix: str = PREFIX) -> list[int]:
+    """The HTTP ports the router replicas of ``app`` listen on themselves (that answer)."""
     import psutil
 
     ports = []
     for proc in psutil.process_iter(["cmdline"]):
-        if not any(f"ServeReplica:{APP}:Router" in a for a in proc.info["cmdline"] or []):
+        if not any(f"ServeReplica:{app}:Router" in a for a in proc.info["cmdline"] or []):
             continue
         for conn in proc.net_connections(kind="tcp"):
             if conn.status != psutil.CONN_LISTEN:
                 continue
             try:
-                if httpx.get(f"http://127.0.0.1:{conn.laddr.port}{PREFIX}/health",
+                if httpx.get(f"http://127.0.0.1:{conn.laddr.port}{prefix}/health",
                              timeout=2).status_code == 200:
                     ports.append(int(conn.laddr.port))
                     break
@@ -100,7 +115,7 @@ def _allowed(started: float) -> int:
 
 
 def test_the_whole_limit_through_one_router_replica(two_routers):
-    port = _router_ports()[0]
+    port = router_ports()[0]
     started = time.monotonic()
     codes = [_send(port, two_routers["one-router"]) for _ in range(12)]
     ok = codes.count(200)
@@ -109,7 +124,7 @@ def test_the_whole_limit_through_one_router_replica(two_routers):
 
 
 def test_the_same_limit_spread_over_both_router_replicas(two_routers):
-    ports = _router_ports()
+    ports = router_ports()
     started = time.monotonic()
     codes = [_send(ports[i % 2], two_routers["both-routers"]) for i in range(12)]
     assert RPM - 1 <= codes.count(200) <= _allowed(started), codes
@@ -150,7 +165,7 @@ def test_a_cap_of_2_over_two_routers_holds_for_the_app_regression_cap_over_n(two
     """max_concurrent_requests 2 with two router replicas: each router enforced 1 (its half).
     Spread over both routers, never more than 2 of the tenant's requests are in the engine;
     all on one router, 2 run at once (it was 1). Nothing is refused: the rest wait."""
-    ports = _router_ports()
+    ports = router_ports()
     spread, peak = _streams_in_engine(two_routers[CAPPED], [ports[i % 2] for i in range(8)])
     assert spread == [200] * 8 and peak <= CAP, (spread, peak)
     one, peak = _streams_in_engine(two_routers[CAPPED], [ports[0]] * 6)
@@ -162,7 +177,7 @@ def test_a_router_replica_replaced_in_the_middle_refills_nothing(two_routers):
     from ray.util.state import list_actors
 
     key = two_routers["router-restart"]
-    ports = _router_ports()
+    ports = router_ports()
     started = time.monotonic()
     first = [_send(ports[i % 2], key) for i in range(RPM)]
     assert first.count(200) >= RPM - 1, first
@@ -174,32 +189,33 @@ def test_a_router_replica_replaced_in_the_middle_refills_nothing(two_routers):
         alive = {a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
                  if a.class_name.startswith(f"ServeReplica:{APP}:Router")}
         return len(alive) == 2 and routers[0].actor_id not in alive \
-            and len(_router_ports()) == 2
+            and len(router_ports()) == 2
     wait_until(replaced, 120, 0.5)
-    after = [_send(p, key) for p in _router_ports() for _ in range(3)]
+    after = [_send(p, key) for p in router_ports() for _ in range(3)]
     total = first.count(200) + after.count(200)
     assert total <= _allowed(started), (first, after, time.monotonic() - started)
 
 
-def _checkpointed_rpm(tenant: str) -> tuple[float, float] | None:
-    """(level, updated) of ``tenant``'s request bucket in the quota actor's last checkpoint."""
+def checkpointed_rpm(tenant: str, app: str = APP) -> tuple[float, float] | None:
+    """(level, updated) of ``tenant``'s request bucket in ``app``'s quota actor's last
+    checkpoint."""
     import json
 
     from serve_app.governance.cluster_quota import _checkpoint_key
     from serve_app.serve_private import kv_get
 
-    raw = kv_get(_checkpoint_key(APP))
+    raw = kv_get(_checkpoint_key(app))
     entry = json.loads(raw)["rpm"].get(tenant) if raw else None
     return (entry[1], entry[2]) if entry else None
 
 
-def _quota_actor_id() -> str | None:
-    """The id of the app's quota actor while one is alive."""
+def quota_actor_id(app: str = APP) -> str | None:
+    """The id of ``app``'s quota actor while one is alive."""
     from ray.util.state import list_actors
 
     from serve_app.governance.cluster_quota import actor_name
 
-    alive = list_actors(filters=[("name", "=", actor_name(APP)), ("state", "=", "ALIVE")])
+    alive = list_actors(filters=[("name", "=", actor_name(app)), ("state", "=", "ALIVE")])
     return alive[0].actor_id if alive else None
 
 
@@ -215,15 +231,15 @@ def test_a_lost_quota_actor_is_replaced_from_its_checkpoint_and_the_routers_serv
 
     from serve_app.governance.cluster_quota import NAMESPACE, actor_name
 
-    ports = _router_ports()
+    ports = router_ports()
     spent = [_send(ports[i % 2], two_routers["actor-lost"]) for i in range(SPENT_RPM)]
     assert spent == [200] * SPENT_RPM
     level_at, updated = wait_until(
-        lambda: (c := _checkpointed_rpm("actor-lost")) and c[0] < 1 and c, 30, 0.2)
-    old = _quota_actor_id()
+        lambda: (c := checkpointed_rpm("actor-lost")) and c[0] < 1 and c, 30, 0.2)
+    old = quota_actor_id()
     assert old is not None
     ray.kill(ray.get_actor(actor_name(APP), namespace=NAMESPACE), no_restart=True)
-    wait_until(lambda: _quota_actor_id() != old, 30, 0.2)
+    wait_until(lambda: quota_actor_id() != old, 30, 0.2)
 
     # Both routers served actor-lost: their shares start from the actor's last word (spent).
     during = [_send(p, two_routers["actor-lost"]) for p in ports]
@@ -235,7 +251,7 @@ def test_a_lost_quota_actor_is_replaced_from_its_checkpoint_and_the_routers_serv
         # The probe tenant's requests make the routers call the actor (and start a new one).
         code = _send(ports[0], two_routers["actor-probe"])
         assert code == 200, code
-        new = _quota_actor_id()
+        new = quota_actor_id()
         return new if new not in (None, old) else None
 
     wait_until(replaced, 120, 1)
