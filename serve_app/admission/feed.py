@@ -38,6 +38,7 @@ from serve_app.admission.policy import CapacityPolicy
 from serve_app.admission.share import share_of
 from serve_app.config import AdmissionSettings
 from serve_app.engine.protocol import EngineLoad
+from serve_app.routing.prefix_index import PrefixIndex, index_for
 from serve_app.serve_private import (
     autoscaler_node_types,
     broadcast_each,
@@ -165,6 +166,10 @@ class EngineFeed:
         self._placement = placement or self._read_placement
         self._placement_task: asyncio.Task[None] | None = None
         self._placement_checked = 0.0
+        # What each replica's prefix cache holds, as the replicas report it (the prefix_cache
+        # routing policy's view, serve_app/routing/prefix_index.py): asked for and kept
+        # current by every poll.
+        self.prefix_index: PrefixIndex = index_for(model)
 
     def start(self) -> None:
         """Start polling on the running event loop (idempotent)."""
@@ -177,7 +182,8 @@ class EngineFeed:
         a = self.admission
         try:
             results = await broadcast_each(self.handle, "engine_load", self.router_id,
-                                           a.queued(), a.in_flight, timeout_s=POLL_TIMEOUT_S,
+                                           a.queued(), a.in_flight, self.prefix_index.known(),
+                                           timeout_s=POLL_TIMEOUT_S,
                                            answer_timeout_s=ANSWER_DEADLINE_S)
         except DeploymentUnavailableError:  # no replica: an empty view, not a stale one
             self._failures = 0
@@ -224,8 +230,10 @@ class EngineFeed:
         return answers + [load for load, _ in missing]
 
     def apply(self, replicas: list[EngineLoad]) -> int:
-        """Set this router's admission capacity and view from ``replicas``; returns it."""
+        """Set this router's admission capacity, view and prefix index from ``replicas``;
+        returns the capacity."""
         self.replicas = replicas
+        self.prefix_index.apply(replicas)
         self.polled_at = time.monotonic()
         a = self.admission
         total = self.policy.capacity(replicas)

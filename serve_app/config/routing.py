@@ -23,11 +23,14 @@ class RoutingSettings(_Strict):
     power of two; on random prompts equal throughput; with one tenant at 70% no replica busier.
     """
 
-    policy: Literal["power_of_two", "prefix_affinity"] = Field(
+    policy: Literal["power_of_two", "prefix_affinity", "prefix_cache"] = Field(
         "prefix_affinity", description="`prefix_affinity` (default): rendezvous hashing of "
         "(tenant cache salt, leading prompt blocks) over the replicas, bounded by load; every "
-        "router replica computes the same choice with no shared state. `power_of_two`: Serve's "
-        "choice for every request, keys unused.")
+        "router replica computes the same choice with no shared state. `prefix_cache`: the "
+        "replica holding the longest cached prefix of the prompt (an index of the block "
+        "hashes each replica served, carried to every router on the engine feed), weighed "
+        "against load, within the same load bound; follows multi-turn conversations. "
+        "`power_of_two`: Serve's choice for every request, keys unused.")
     block_tokens: int = Field(
         64, ge=1, description="prefix_affinity: tokens per key block. A prompt shorter than "
         "one block has no key and is spread by power of two (reason `cold`).")
@@ -52,6 +55,15 @@ class RoutingSettings(_Strict):
         "hashing with bounded loads; HAProxy's hash-balance-factor 125). Lower spreads a hot "
         "tenant sooner; higher keeps more prefixes on one replica, cached once.")
 
+    max_blocks: int = Field(
+        512, ge=1, description="prefix_cache: leading blocks of a prompt that are hashed and "
+        "indexed (512 x 64 = 32,768 tokens); the router's work per request is bounded by it "
+        "whatever the body's size. Matches longer than this count as this long.")
+    request_cost_tokens: int = Field(
+        64, ge=0, description="prefix_cache: prefill tokens that one request more on a replica "
+        "(Serve's queue length) is worth: a replica's score is its cached prefix minus this "
+        "times its load above the least-loaded candidate's. Higher spreads by load sooner; 0 "
+        "follows the longest prefix up to the load bound.")
     def router_kwargs(self, model: str) -> dict[str, Any]:
         """The request router's ``initialize_state`` arguments (Serve's
         ``request_router_kwargs``, JSON only)."""

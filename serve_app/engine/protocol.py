@@ -85,6 +85,15 @@ class GenerationRequest:
     # The router replica whose output channel carries the chunks after the first
     # (serve_app/engine/channel.py); None: every chunk comes back on the request's own stream.
     reply_to: str | None = None
+    # The client's session key (OpenAI ``prompt_cache_key``, else ``user``): requests that name
+    # one are kept together by the ``prefix_cache`` routing policy, within their tenant.
+    session: str | None = None
+    # Set by the ``prefix_cache`` routing policy (serve_app/routing/prefix_blocks.py): the
+    # chained hashes of the prompt's leading blocks of ``prefix_block_tokens`` tokens each (and
+    # of the session key), computed once by the router; the replica that serves the request
+    # records them as cached (serve_app/engine/server.py, ServedBlocks).
+    prefix_hashes: tuple[int, ...] | None = None
+    prefix_block_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -162,6 +171,8 @@ class EngineLoad:
     ``router_demand``: per router replica that reported to this replica within the last few
     seconds, its demand for the model (requests it has in flight plus those it holds queued):
     how the routers share the model's capacity (:mod:`serve_app.admission.share`).
+    ``prefix_report``: what this replica's prefix cache holds, as block hashes, since what the
+    asking router last knew (:class:`PrefixReport`); None when the router asked for none.
     """
 
     running: int
@@ -176,6 +187,7 @@ class EngineLoad:
     requests_total: int = 0
     unfinished: int = 0
     router_demand: tuple[tuple[str, int], ...] = ()
+    prefix_report: PrefixReport | None = None
 
     @property
     def step_intake(self) -> int:
@@ -189,6 +201,25 @@ class EngineLoad:
         """Requests on this replica, counted where they are most: sent to it (``active``) or
         held by its engine (a request the engine still runs after its stream was cancelled)."""
         return max(self.active, self.running + self.waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixReport:
+    """The block hashes a replica counts as cached in its engine's prefix cache, as a change
+    since what one router knew (:class:`serve_app.engine.server.ServedBlocks` writes it,
+    :mod:`serve_app.routing.prefix_index` reads it).
+
+    ``epoch``: the replica's record's id (new when the replica starts); ``seq``: its change
+    count after this report. ``base``: the ``seq`` the change starts from (the router applies it
+    only when it knows exactly that state), or None for a whole snapshot: ``added`` is then
+    everything held. ``added`` and ``removed`` never share a hash.
+    """
+
+    epoch: str
+    seq: int
+    base: int | None
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
 
 
 @runtime_checkable

@@ -10,16 +10,26 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+import uuid
+from collections import OrderedDict, deque
 from typing import Any, AsyncIterator
 
 from serve_app.config import ModelSettings
 from serve_app.engine.channel import Batch, OutputChannels
-from serve_app.engine.protocol import Engine, EngineLoad, GenerationRequest, WireChunk
+from serve_app.engine.protocol import (
+    Engine,
+    EngineLoad,
+    GenerationRequest,
+    PrefixReport,
+    WireChunk,
+)
 from serve_app.engine.router_reports import RouterReports
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ENGINE_CLASS = "serve_app.engine.vllm_adapter:VLLMEngine"
+# The prefix record's size for an engine that does not say how many tokens its KV cache holds.
+DEFAULT_CACHE_TOKENS = 262_144
 
 
 def import_engine_class(path: str) -> type:
@@ -47,6 +57,9 @@ class LLMServer:
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         self.channels = OutputChannels()
+        # The prefix_cache policy's record of what this replica's engine caches; made with
+        # the first request that carries block hashes (:meth:`_record`).
+        self.served: ServedBlocks | None = None
         await self.engine.start()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[WireChunk]:
@@ -69,6 +82,8 @@ class LLMServer:
                 if first:
                     first = False
                     chunk.replica = self.replica_id
+                    if request.prefix_hashes:  # started: its prompt is in the engine's cache
+                        self._record(request)
                     yield chunk.to_wire()
                 elif router is not None:
                     self.channels.push(router, request.request_id, chunk.to_wire())
@@ -103,16 +118,32 @@ class LLMServer:
         return {"name": self.settings.name, "max_model_len": self.engine.max_model_len}
 
     async def engine_load(self, router_id: str | None = None, router_queued: int = 0,
-                          router_in_flight: int = 0) -> EngineLoad:
+                          router_in_flight: int = 0,
+                          prefix_known: dict[str, tuple[str, int]] | None = None
+                          ) -> EngineLoad:
         """This replica's load, for the routers' admission and for tests (cheap, no I/O).
 
         A router calling it (broadcast to every replica) also reports how many requests of this
         model it holds in its queue and has in flight: the replicas pass the backlog on to the
         autoscaler, and every router's demand back to the routers, which share the model's
-        capacity by it."""
+        capacity by it. With ``prefix_known`` (replica id -> the (epoch, seq) of its prefix
+        record the router holds: :meth:`serve_app.routing.prefix_index.PrefixIndex.known`)
+        the answer carries this replica's record since that state, once it has one."""
         if router_id is not None:
             self.reports.record(router_id, router_queued, router_in_flight)
-        return dataclasses.replace(self.load(), router_demand=self.reports.demand())
+        report = None
+        if prefix_known is not None and self.served is not None:
+            report = self.served.report(prefix_known.get(self.replica_id))
+        return dataclasses.replace(self.load(), router_demand=self.reports.demand(),
+                                   prefix_report=report)
+
+    def _record(self, request: GenerationRequest) -> None:
+        """Count ``request``'s block hashes as cached (its prompt has started in the engine).
+        The record holds the engine's KV cache in blocks of the request's size."""
+        if self.served is None:
+            size = max(1, request.prefix_block_tokens)
+            self.served = ServedBlocks(max(1, _kv_cache_tokens(self.engine) // size))
+        self.served.record(request.prefix_hashes or ())
 
     def load(self) -> EngineLoad:
         """The engine's load with this replica's own fields filled in."""
@@ -157,6 +188,24 @@ class LLMServer:
             await engine.shutdown()
 
 
+def _kv_cache_tokens(engine: Any) -> int:
+    """Tokens the engine's KV cache holds: the engine's ``kv_cache_tokens`` where it has one,
+    else vLLM's cache config (its own capacity figure, else blocks x block size), else
+    :data:`DEFAULT_CACHE_TOKENS`."""
+    tokens = getattr(engine, "kv_cache_tokens", None)
+    if isinstance(tokens, int) and tokens > 0:
+        return tokens
+    try:
+        cache = engine._engine.vllm_config.cache_config
+        tokens = getattr(cache, "kv_cache_size_tokens", None) or (
+            int(cache.num_gpu_blocks) * int(cache.block_size))
+        if tokens and int(tokens) > 0:
+            return int(tokens)
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return DEFAULT_CACHE_TOKENS
+
+
 def _node_id() -> str:
     """The Ray node this replica runs on (where its placement group put it); "" outside Ray."""
     try:
@@ -177,3 +226,74 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # not inside a Serve replica
         return f"local-{id(object())}"
+
+
+# The prefix_cache policy's replica side ----------------------------------------------------
+# What this replica's prefix cache holds, as the block hashes of what it served. The router
+# hashes each request's leading blocks once (serve_app/routing/prefix_blocks.py) and sends the
+# hashes with it; the replica records them when the engine has started the request (its prompt
+# is then cached). The record is bounded: the engine's KV cache in blocks, evicted least
+# recently used first. That approximates vLLM's eviction (free blocks go least recently used
+# first, a request's tail blocks before its head): a request's hashes are touched last block
+# first, so its first block is the most recent and a prefix outlives its tails, as in the
+# engine. It does not see the blocks running requests pin, nor the engine's own block edges
+# (docs/routing.md). Every router reads the same record through its engine feed
+# (ServedBlocks.report): the changes since the state it says it holds (a change count within
+# the record's epoch), or the whole record when it holds none or is further behind than the
+# change log keeps; every router's index (serve_app/routing/prefix_index.py) converges on it.
+
+# Changes kept for routers that are behind, as a multiple of the capacity; a router further
+# behind gets the whole record.
+LOG_FACTOR = 2
+
+
+class ServedBlocks:
+    """An LRU set of block hashes with a change log (see the comment above)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self.epoch = uuid.uuid4().hex
+        self.seq = 0  # changes so far (each add or eviction is one)
+        self._held: OrderedDict[int, None] = OrderedDict()
+        # (hash, added) for changes seq - len(log) + 1 .. seq.
+        self._log: deque[tuple[int, bool]] = deque(maxlen=LOG_FACTOR * capacity)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, h: int) -> bool:
+        return h in self._held
+
+    def record(self, hashes: tuple[int, ...]) -> None:
+        """The engine holds ``hashes`` (a request's blocks, first block first): each becomes
+        the most recent, the first block last; the least recent beyond ``capacity`` go."""
+        held, log = self._held, self._log
+        for h in reversed(hashes):
+            if h in held:
+                held.move_to_end(h)
+                continue
+            held[h] = None
+            log.append((h, True))
+            self.seq += 1
+        while len(held) > self.capacity:
+            h, _ = held.popitem(last=False)
+            log.append((h, False))
+            self.seq += 1
+
+    def report(self, known: tuple[str, int] | None) -> PrefixReport:
+        """The changes since ``known`` = (epoch, seq) a router holds, or the whole record when
+        it holds another epoch, nothing, or a state older than the log reaches."""
+        if known is not None and known[0] == self.epoch and \
+                self.seq - len(self._log) <= known[1] <= self.seq:
+            last: dict[int, bool] = {}  # each hash's last change, newest read first
+            log = self._log
+            for i in range(1, self.seq - known[1] + 1):
+                h, added = log[-i]
+                if h not in last:
+                    last[h] = added
+            return PrefixReport(self.epoch, self.seq, known[1],
+                                tuple(h for h, a in last.items() if a),
+                                tuple(h for h, a in last.items() if not a))
+        return PrefixReport(self.epoch, self.seq, None, tuple(self._held))

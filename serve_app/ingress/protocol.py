@@ -42,6 +42,9 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    # OpenAI's key for requests that share a prefix (a conversation): the session key of the
+    # prefix_cache routing policy, else ``user`` (GenerationRequest.session), within the tenant.
+    prompt_cache_key: str | None = None
     # Refused when set: features this service does not implement yet.
     logprobs: Any = None
     top_logprobs: Any = None
@@ -135,6 +138,7 @@ class CompletionRequest(_SamplingFields):
             sampling=self.sampling(self.max_tokens),
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=list(prompt) if isinstance(prompt, list) else None,  # type: ignore[arg-type]
+            session=self.prompt_cache_key or self.user,
         )
 
 
@@ -171,4 +175,5 @@ class ChatCompletionRequest(_SamplingFields):
             request_id=request_id,
             sampling=self.sampling(limit),
             messages=[{"role": m.role, "content": m.text()} for m in self.messages],
+            session=self.prompt_cache_key or self.user,
         )

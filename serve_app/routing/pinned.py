@@ -9,7 +9,8 @@ stopping: the caller bounds the wait). Every other call (every request) is route
 model's policy (:mod:`serve_app.routing.policy`, ``routing:`` of the model's config, passed
 here by Serve as ``request_router_kwargs``): ``power_of_two`` is Serve's own choice;
 ``prefix_affinity`` sends a (tenant, prefix) key to the replica rendezvous hashing gives it,
-bounded by the candidates' queue lengths.
+bounded by the candidates' queue lengths; ``prefix_cache`` sends it to the replica holding the
+longest cached prefix of the prompt, weighed against load (:mod:`serve_app.routing.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from ray.serve.request_router import (
 
 from serve_app.config.routing import RoutingSettings
 from serve_app.engine.protocol import GenerationRequest
-from serve_app.routing.policy import Candidate, Reason, RoutingPolicy, build_policy
+from serve_app.routing import build_policy
+from serve_app.routing.policy import Candidate, Reason, RoutingPolicy
 from serve_app.serve_private import (
     PowerOfTwoChoicesRequestRouter,
     probe_queue_lens,
@@ -93,7 +95,8 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         ``routing:`` settings (:meth:`RoutingSettings.router_kwargs`) and its name. Settings
         not given take :class:`RoutingSettings`' defaults (a bare router: all of them)."""
         settings = RoutingSettings.model_validate(routing)
-        self.policy = build_policy(settings.policy, **settings.model_dump(exclude={"policy"}))
+        self.policy = build_policy(settings.policy, model,
+                                   **settings.model_dump(exclude={"policy"}))
         self.decisions = DecisionCounter(model)
 
     def _policy(self) -> RoutingPolicy:

@@ -18,5 +18,5 @@ class PowerOfTwo:
     def needs_load(self) -> bool:
         return False
 
-    def choose(self, key: bytes | None, candidates: list[Candidate]) -> Choice:
+    def choose(self, key: object | None, candidates: list[Candidate]) -> Choice:
         return Choice("power_of_two")

@@ -75,8 +75,8 @@ class PrefixAffinity:
     def needs_load(self) -> bool:
         return True
 
-    def choose(self, key: bytes | None, candidates: list[Candidate]) -> Choice:
-        if key is None or not candidates:
+    def choose(self, key: object | None, candidates: list[Candidate]) -> Choice:
+        if not isinstance(key, bytes) or not candidates:
             return Choice("cold")
         load = {c.replica_id: c.load for c in candidates}
         order = rendezvous_order(key, list(load))

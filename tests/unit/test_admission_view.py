@@ -149,7 +149,8 @@ def test_the_feed_reports_its_demand_and_takes_its_share_by_everyones(feed):
         return capacity
 
     capacity = asyncio.run(main())
-    assert feed.calls[-1] == ("r1", 3, 1)  # router id, queued, in flight
+    # router id, queued, in flight, then the prefix index state it holds (none yet)
+    assert feed.calls[-1] == ("r1", 3, 1, {})
     total = capacity_policy("engine_feedback", headroom=4, kv_cache_high=0.95,
                             fixed_per_replica=8, upper_bound=None).capacity(
         [_load("a", running=8)])

@@ -11,7 +11,7 @@ from ray.serve.config import RequestRouterConfig
 from serve_app.engine.protocol import GenerationRequest, SamplingOptions
 from serve_app.routing import pinned
 from serve_app.routing.pinned import TARGET_KWARG, PinnedOrPolicyRouter, pinned_target
-from serve_app.routing.policy import build_policy
+from serve_app.routing import build_policy
 from serve_app.routing.prefix_affinity import rendezvous_order
 
 

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from serve_app.engine.protocol import GenerationRequest, SamplingOptions
-from serve_app.routing.policy import Candidate, build_policy
+from serve_app.routing import build_policy
+from serve_app.routing.policy import Candidate
 from serve_app.routing.prefix_affinity import PrefixAffinity, rendezvous_order
 from serve_app.routing.prefix_key import PrefixKeyer, chat_text
 
