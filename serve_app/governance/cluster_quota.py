@@ -39,6 +39,11 @@ served it. A call abandoned on time-out may still run on the actor later: a leas
 capacity held back until the bucket refills, and charges it carried are sent again (they
 count twice rather than never).
 
+**Fair share** over the routers rides on the same report: with several router replicas each
+report also carries this replica's fair-share service and brings back the others'
+(:mod:`serve_app.governance.fair_share_sync`: what is sent, how the queues use it, and the
+failure rule's consequence, the local view until the actor answers again).
+
 The calls, their time-outs and outages are :class:`~serve_app.governance.quota_link.ActorLink`'s;
 the replica's first call waits up to ``STARTUP_TIMEOUT_S``: it may create the actor, whose
 worker takes seconds to start on a loaded host.
@@ -50,9 +55,10 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from serve_app.config import TenantSettings
+from serve_app.governance.fair_share_sync import FairShareSync, ServiceQueue
 from serve_app.governance.quota_link import ActorLink
 from serve_app.governance.quota_state import (  # noqa: F401 (importable from here, as before)
     NAMESPACE,
@@ -103,6 +109,14 @@ class ClusterQuota:
         self._link = ActorLink(lambda: self._get_actor(), self._seed_local_shares, routers)
         self._probe: asyncio.Task[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
+        # Alone, a router's own service is the app's: nothing to share.
+        self.fair_share = FairShareSync() if routers > 1 else None
+
+    def share_service(self, queues: Mapping[str, ServiceQueue]) -> None:
+        """Order these models' fair queues (model name -> queue) by the service the whole app
+        gave each tenant (with several router replicas; see the module docstring)."""
+        if self.fair_share is not None:
+            self.fair_share.attach(queues)
 
     def update(self, tenants: list[TenantSettings]) -> None:
         """A new live tenant list: a tenant whose limits changed starts a fresh lease."""
@@ -205,14 +219,27 @@ class ClusterQuota:
         now = time.monotonic()
         tenants = [t for t, lease in self._leases.items() if self._limited(t)
                    and (now - lease.used < ACTIVE_S or t in charges)]
-        if not (charges or returns or tenants or probe):
+        # Fair share rides along only to an actor known to take it (a detached actor of an
+        # older version outlives deploys; an unknown argument would begin an outage). With no
+        # handle yet, a plain report looks the actor up; the next one carries the service.
+        wanted = self.fair_share.outgoing() if self.fair_share is not None else None
+        actor = self._link.actor
+        if wanted is not None and actor is not None and not hasattr(actor, "share_service"):
+            wanted = None
+        service = wanted if actor is not None else None
+        if not (charges or returns or tenants or probe or wanted):
             return
         try:
-            snapshot = await self._link.call("report", charges, returns, tenants)
+            answer = await self._link.call("report", charges, returns, tenants,
+                                           *(() if service is None else (service,)))
         except Exception:
             self._reported(charges, ok=False)  # reported when the actor answers again
         else:
-            self._seen(snapshot)
+            if service is not None:
+                assert self.fair_share is not None
+                self.fair_share.answered(service, answer["service"])
+                answer = answer["buckets"]
+            self._seen(answer)
             self._reported(charges, ok=True)
 
     # -- the gate's calls ----------------------------------------------------------------------

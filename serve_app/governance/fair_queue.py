@@ -12,13 +12,19 @@ Every admission moves the clock, not only :meth:`FairQueue.pop`: the admission c
 request). Without it a tenant served below capacity for a long time left the clock at 0, and a
 tenant idle meanwhile then went first for as long as the other's whole past service.
 
+Several router replicas order by the app's service, not their own: :meth:`FairQueue.charged`
+is what this queue charged (the figure the router reports), :meth:`FairQueue.set_remote` the
+other routers' service as last reported, added to each tenant's virtual service like a charge
+(:mod:`serve_app.governance.fair_share_sync` carries both through the quota actor). Without it a
+tenant spreading its requests over two routers got about 3/4 against one using one router.
+
 Pure data structure (no asyncio, no Ray); the router's admission controller drives it.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from typing import Callable, Generic, Hashable, Literal, TypeVar
+from typing import Callable, Generic, Hashable, Literal, Mapping, TypeVar
 
 from serve_app.config import Priority
 
@@ -40,6 +46,10 @@ class FairQueue(Generic[T]):
         self._where: dict[T, tuple[Priority, str]] = {}
         # Per band: the virtual service of the tenant served last (VTC's virtual clock).
         self._clock: dict[Priority, float] = {b: 0.0 for b in BANDS}
+        # Service charged here (lifts and the other routers' service left out), and the other
+        # routers' service as last reported: both already inside ``_service``.
+        self._charged: dict[str, float] = {}
+        self._remote: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._where)
@@ -61,6 +71,7 @@ class FairQueue(Generic[T]):
         return len(self._waiting[band])
 
     def service(self, tenant: str) -> float:
+        """``tenant``'s virtual service: what it was charged here and elsewhere, and lifts."""
         return self._service.get(tenant, 0.0)
 
     def push(self, item: T, tenant: str, band: Priority = "normal") -> None:
@@ -128,6 +139,28 @@ class FairQueue(Generic[T]):
     def charge(self, tenant: str, service: float) -> None:
         """Add ``service`` (see :func:`service_of`) to ``tenant``'s virtual service."""
         self._service[tenant] = self._service.get(tenant, 0.0) + service
+        self._charged[tenant] = self._charged.get(tenant, 0.0) + service
+
+    def charged(self) -> dict[str, float]:
+        """Service charged here per tenant since the queue began (what the router reports:
+        cumulative, so a report sent twice counts once); lifts and remote service excluded."""
+        return dict(self._charged)
+
+    def set_remote(self, service: Mapping[str, float]) -> None:
+        """The other routers' service per tenant (cumulative; a tenant absent: none). Each
+        tenant's virtual service moves by the change since the last call, as a charge would
+        (down too: requests elsewhere give back prepaid service when they end). A tenant newly
+        backlogged is still lifted to the band's floor, on this sum: idling banks no credit
+        here, whatever router served it."""
+        for tenant in set(self._remote) | set(service):
+            new = service.get(tenant, 0.0)
+            delta = new - self._remote.get(tenant, 0.0)
+            if delta:
+                self._service[tenant] = self._service.get(tenant, 0.0) + delta
+            if new:
+                self._remote[tenant] = new
+            else:
+                self._remote.pop(tenant, None)
 
 
 class FifoQueue(Generic[T]):
@@ -184,6 +217,12 @@ class FifoQueue(Generic[T]):
         pass
 
     def charge(self, tenant: str, service: float) -> None:
+        pass
+
+    def charged(self) -> dict[str, float]:
+        return {}
+
+    def set_remote(self, service: Mapping[str, float]) -> None:
         pass
 
 

@@ -9,8 +9,10 @@ follow, :func:`serve_app.governance.live_config.read_tenants`), and checkpoints 
 at most every ``CHECKPOINT_S``; an actor that is lost and started again (Ray restarts it, or a
 router's next call creates it) restores them, refilled for the time passed. It also leases the
 tenants' concurrency slots (:class:`~serve_app.governance.concurrency.SlotTable`; the routers'
-side is :mod:`serve_app.governance.cluster_slots`). It is a plain class (the routers wrap it with
-``ray.remote``), so unit tests run it in-process.
+side is :mod:`serve_app.governance.cluster_slots`), and keeps every router's fair-share service
+per model and tenant (:class:`~serve_app.governance.fair_share_sync.ServiceTable`, in the same
+checkpoint), so that each router's fair queue orders tenants by the app's service. It is a plain
+class (the routers wrap it with ``ray.remote``), so unit tests run it in-process.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from serve_app import serve_private
 from serve_app.config import TenantSettings
 from serve_app.governance import live_config
 from serve_app.governance.concurrency import SlotTable
+from serve_app.governance.fair_share_sync import ServiceTable
 from serve_app.governance.quota import ADMITTED, QuotaBook
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,11 @@ class QuotaState:
         self._tenants_read = 0.0
         self._checkpointed = 0.0
         self._restore: dict[str, Any] | None = self._read_checkpoint()
+        try:
+            self.service = ServiceTable(state=(self._restore or {}).get("service"))
+        except (KeyError, TypeError, AttributeError, ValueError):
+            logger.exception("fair-share checkpoint unreadable; its totals start anew")
+            self.service = ServiceTable()
         self._refresh_tenants(force=True)
 
     # -- persistence ----------------------------------------------------------------------------
@@ -98,8 +106,10 @@ class QuotaState:
         if now - self._checkpointed < CHECKPOINT_S:
             return
         self._checkpointed = now
-        state = {kind: {t: [b.capacity, b.level, b.updated] for t, b in buckets.items()}
-                 for kind, buckets in (("rpm", self.book._rpm), ("tpm", self.book._tpm))}
+        state: dict[str, Any] = {
+            kind: {t: [b.capacity, b.level, b.updated] for t, b in buckets.items()}
+            for kind, buckets in (("rpm", self.book._rpm), ("tpm", self.book._tpm))}
+        state["service"] = self.service.state()
         try:
             serve_private.kv_put(_checkpoint_key(self.app_name), json.dumps(state).encode())
         except Exception:
@@ -154,11 +164,23 @@ class QuotaState:
                 "snapshot": {t: _snapshot(self.book, t) for t in {tenant, *charges}}}
 
     def report(self, charges: dict[str, int], returns: dict[str, int],
-               tenants: list[str]) -> dict[str, Any]:
-        """Apply a replica's charges and returns; the buckets of ``tenants`` after them."""
+               tenants: list[str], service: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Apply a replica's charges and returns; the buckets of ``tenants`` after them. With
+        ``service`` (a :meth:`~serve_app.governance.fair_share_sync.FairShareSync.outgoing`
+        report), the answer is ``{"buckets": those buckets, "service": the exchange's answer
+        (:meth:`share_service`)}``."""
         self._apply(charges, returns)
+        shared = None if service is None else self.share_service(service)
         self._checkpoint()
-        return {t: _snapshot(self.book, t) for t in tenants}
+        buckets = {t: _snapshot(self.book, t) for t in tenants}
+        return buckets if shared is None else {"buckets": buckets, "service": shared}
+
+    def share_service(self, service: dict[str, Any]) -> dict[str, Any]:
+        """A router's fair-share report: its cumulative service per model and tenant; the
+        answer, the other routers' (:meth:`~serve_app.governance.fair_share_sync.ServiceTable.
+        report`). Its presence tells a router this actor takes ``service`` in :meth:`report`."""
+        return self.service.report(service["router"], service["epoch"], service["base"],
+                                   service["service"])
 
     def lease_slots(self, router: str, report: dict[str, list[int]]) -> dict[str, int | None]:
         """Concurrency slots: ``report`` is tenant -> [sequences in flight, slots wanted] of

@@ -76,6 +76,8 @@ class OpenAIRouter:
                                         first_request_slots=adm.headroom, caps=gate.caps,
                                         max_queued_per_tenant=settings.max_queued_per_tenant)
             for m in config_.models}
+        if gate.cluster is not None:  # with several routers, fair share over all of them
+            gate.cluster.share_service({name: c.queue for name, c in admission.items()})
         feeds = {
             m.name: EngineFeed(
                 m.name, servers[m.name], admission[m.name],
