@@ -56,9 +56,11 @@ class RoutingSettings(_Strict):
         "tenant sooner; higher keeps more prefixes on one replica, cached once.")
 
     max_blocks: int = Field(
-        512, ge=1, description="prefix_cache: leading blocks of a prompt that are hashed and "
-        "indexed (512 x 64 = 32,768 tokens); the router's work per request is bounded by it "
-        "whatever the body's size. Matches longer than this count as this long.")
+        256, ge=1, description="prefix_cache: leading blocks of a prompt that are hashed and "
+        "indexed (256 x 64 = 16,384 tokens); the router's work per request is bounded by it "
+        "whatever the body's size (about 1 us a block, bench/RESULTS.md 38a). Matches longer "
+        "than this count as this long: conversations that share more than that are spread by "
+        "load.")
     request_cost_tokens: int = Field(
         64, ge=0, description="prefix_cache: prefill tokens that one request more on a replica "
         "(Serve's queue length) is worth: a replica's score is its cached prefix minus this "

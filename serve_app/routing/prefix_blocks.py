@@ -49,7 +49,7 @@ class BlockHasher:
 
     block_tokens: int = 64
     chars_per_token: int = 4
-    max_blocks: int = 512
+    max_blocks: int = 256
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "chars_per_token", "max_blocks"):
