@@ -22,9 +22,16 @@ they are never written, so a replica that dies leaves only what its requests rea
 :class:`BudgetBook` is the pure bookkeeping; :mod:`serve_app.governance.budgets` moves records to
 and from Ray's key-value store, and deletes past windows' records.
 
-With N router replicas, a tenant can pass its budget by the reservations in flight on the other
-replicas plus what they charged since their last record was read (one sync interval, 1 s by
-default).
+Reservations are not shared between router replicas, so with N of them each replica holds its
+requests' reservations to its part of what is left: it admits a request of reservation ``r``
+while ``spend + N x held + (N - 1) x r`` is below the budget (``held``: its own requests'
+reservations in flight). The replicas' reservations together then stay within what is left plus
+one request's, so requests started together on every replica spend at most the budget plus one
+reservation, as on one replica (issue 37: 40 requests of 65 tokens spread over two replicas, each
+admitting while its own reservations stayed below the whole budget, spent 2,600 of a 2,000-token
+budget). The price: a replica refuses a request while less than ``(N - 1) x r`` is left
+(``N = 1``: the rule above, unchanged). A tenant can still pass its budget by what the other
+replicas charged since their last record was read (one sync interval, 1 s by default).
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ class BudgetBook:
 
     tenants: list[TenantSettings]
     clock: Callable[[], float] = time.time
+    routers: int = 1  # router replicas sharing the budgets (see the module docstring)
     _spend: dict[str, _Spend] = field(default_factory=dict)
     _limits: dict[str, TenantSettings] = field(default_factory=dict)
 
@@ -132,15 +140,18 @@ class BudgetBook:
         spend = self._current(tenant)
         return 0 if spend is None else spend.held
 
-    def check(self, tenant: str) -> BudgetRefusal | None:
-        """None while ``tenant`` may start a request (its spend plus what its requests in flight
-        reserved is below its budget); the refusal once that is used up."""
+    def check(self, tenant: str, tokens: int = 0) -> BudgetRefusal | None:
+        """None while ``tenant`` may start a request that reserves ``tokens``: its spend plus
+        what its requests in flight reserved is below its budget, this replica's reservations
+        (its requests' and this one's) counted as every replica's (see the module docstring);
+        the refusal once that is used up."""
         spend = self._current(tenant)
         if spend is None:
             return None
         budget = self._limits[tenant].token_budget
         assert budget is not None
-        if spend.own + spend.others + spend.held < budget.tokens:
+        n = self.routers
+        if spend.own + spend.others + n * spend.held + (n - 1) * tokens < budget.tokens:
             return None
         _, ends = window_of(budget.period, self.clock())
         when = datetime.fromtimestamp(ends, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -63,8 +63,9 @@ class TenantGate:
             config.tenants, share=1 / config.router.num_replicas,
             slots=ClusterSlots(self.cluster.link)
             if self.cluster is not None and config.router.num_replicas > 1 else None)
-        # Budgets are whole per tenant (not shared out): every replica sums all the records.
-        self.budgets = BudgetBook(config.tenants)
+        # Budgets are whole per tenant (not shared out): every replica sums all the records;
+        # each replica holds its reservations to its part of what is left (budget.py).
+        self.budgets = BudgetBook(config.tenants, routers=config.router.num_replicas)
         self._requests = _metric(Counter, "tenant_requests", "counter",
                                  ("tenant", "model", "status"))
         self._tokens = _metric(Counter, "tenant_tokens", "counter", ("tenant", "model", "kind"))
@@ -159,7 +160,7 @@ class TenantGate:
 
     def _reserve(self, tenant: Tenant, tokens: int) -> int:
         """Check the budget and hold ``tokens`` of it, with no await between the two."""
-        spent = self.budgets.check(tenant.name)
+        spent = self.budgets.check(tenant.name, tokens)
         if spent is not None:
             wait = spent.retry_after_s(time.time())
             raise OpenAIError(429, spent.message, code="insufficient_quota",
