@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -46,10 +47,10 @@ def fair(stack):
 
 
 async def _keep_streaming(client: httpx.AsyncClient, base: str, key: str, max_tokens: int,
-                          t0: float, until: float, tokens: list[int]) -> None:
-    """One closed-loop client: a stream of ``max_tokens`` tokens, then the next, until
-    ``until``; each token received is counted in ``tokens`` by its 5 s window."""
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True}
+                          t0: float, until: float, tokens: list[int], model: str = MODEL) -> None:
+    """One closed-loop client: a stream of ``max_tokens`` tokens of ``model``, then the next,
+    until ``until``; each token received is counted in ``tokens`` by its 5 s window."""
+    body = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "stream": True}
     headers = {"Authorization": f"Bearer {key}"}
     while time.monotonic() < until:
         async with client.stream("POST", f"{base}/v1/completions", json=body,
@@ -97,3 +98,134 @@ def test_backlogged_tenants_share_generated_tokens_evenly_regression_fair_share_
     print(f"\nteam-a's share of each window's tokens (16-token outputs against 256): {shares}; "
           f"tokens per window: {tokens}")
     assert all(0.45 <= s <= 0.55 for s in shares), (shares, tokens)
+
+
+# -- two routers: fair share over both (issue 37, item 3) -----------------------------------
+TWO_MODEL = "fair-scripted-two"
+TWO_LEN = 32           # both tenants: 1.28 s per request
+TWO_STREAMS = 24       # per tenant and router: more than a router's half of the engine
+TWO_RAMP_UP, TWO_WINDOWS = 1, 3
+# The A/B's other arm (each router on its own view: quota_scope replica, no quota actor) runs
+# only when asked: bench/RESULTS.md 37j.
+AB_ENV = "SERVE_APP_FAIR_SHARE_AB"
+
+
+def _deploy_two_routers(stack, app: str, prefix: str, quota_scope: str) -> list[str]:
+    """``app``: two router replicas (``quota_scope``) in front of one scripted engine; returns
+    the base URLs of the two routers' own ports."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import ModelSettings
+    from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
+    from serve_app.launch import router_replica_ports
+
+    from .conftest import wait_until
+
+    cfg = stack["config"]
+    model = ModelSettings(name=TWO_MODEL, path=str(stack["path"]), device="cpu",
+                          max_model_len=2048, engine_kwargs={"max_num_seqs": BATCH,
+                                                             "scripted_step_s": STEP_S})
+    router = cfg.router.model_copy(update={"num_replicas": 2})
+    governance = cfg.governance.model_copy(update={"quota_scope": quota_scope})
+    serve.run(build_app(cfg.model_copy(update={"models": [model], "router": router,
+                                               "governance": governance}),
+                        SCRIPTED_ENGINE_CLASS), name=app, route_prefix=prefix, blocking=False)
+
+    def bases() -> list[str] | None:
+        ports = router_replica_ports(app, prefix) or router_replica_ports(app)
+        if len(ports) != 2:
+            return None
+        found = [b for port in ports for b in (f"http://127.0.0.1:{port}",
+                                                f"http://127.0.0.1:{port}{prefix}")
+                 if _serves(b, stack["headers"])]
+        return found if len(found) == 2 else None
+
+    return wait_until(bases, 180, 0.5)
+
+
+def _serves(base: str, headers: dict) -> bool:
+    try:
+        return httpx.post(f"{base}/v1/completions", headers=headers, timeout=60,
+                          json={"model": TWO_MODEL, "prompt": "hi", "max_tokens": 2}
+                          ).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _two_router_shares(base_one: str, base_two: str, keys: dict[str, str]
+                       ) -> tuple[list[float], dict[str, list[int]]]:
+    """team-a's backlog on both routers, team-c's on the second only; team-a's share of each
+    window's tokens after the ramp-up, and the tokens per window."""
+    windows = TWO_RAMP_UP + TWO_WINDOWS
+
+    async def main() -> dict[str, list[int]]:
+        tokens = {"team-a": [0] * windows, "team-c": [0] * windows}
+        t0 = time.monotonic()
+        until = t0 + WINDOW_S * windows
+        limits = httpx.Limits(max_connections=3 * TWO_STREAMS + 8)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            await asyncio.gather(*(
+                _keep_streaming(client, base, keys[tenant], TWO_LEN, t0, until, tokens[tenant],
+                                TWO_MODEL)
+                for tenant, base in (("team-a", base_one), ("team-a", base_two),
+                                     ("team-c", base_two))
+                for _ in range(TWO_STREAMS)))
+        return tokens
+
+    tokens = asyncio.run(main())
+    shares = []
+    for w in range(TWO_RAMP_UP, windows):
+        total = tokens["team-a"][w] + tokens["team-c"][w]
+        assert total > 0, tokens
+        shares.append(round(tokens["team-a"][w] / total, 3))
+    return shares, tokens
+
+
+@pytest.mark.parametrize("shared", [True, pytest.param(False, marks=pytest.mark.skipif(
+    not os.environ.get(AB_ENV), reason=f"the A/B's other arm: set {AB_ENV}=1"))],
+    ids=["shared", "each-router-alone"])
+def test_a_tenant_spread_over_two_routers_gets_its_share_regression_fairness_not_shared_across_routers(  # noqa: E501
+        stack, shared: bool):
+    """Two router replicas in front of one engine (24 places, 26 with the headroom: about 13
+    per router, both backlogged). team-a keeps 24 streams open on each router's own port,
+    team-c 24 on the second only; both ask 32-token outputs, normal priority. Over every 5 s
+    window after the first, each tenant gets 40-60% of the tokens. Regression
+    (fairness_not_shared_across_routers): each router ordered its tenants by the service it
+    gave them itself, so the second split its half evenly while the first gave all of its
+    half to team-a: team-a got about 3/4. Now each router's report to the quota actor carries
+    its fair-share service and brings back the others' (serve_app/governance/fair_share_sync.py).
+    The other arm (``quota_scope: replica``: no quota actor, no exchange) shows the bug."""
+    import ray
+    from ray import serve
+
+    from serve_app.governance.cluster_quota import NAMESPACE, actor_name
+
+    app = "fairtwo" if shared else "fairtwo-alone"
+    prefix = f"/{app}"
+    bases = _deploy_two_routers(stack, app, prefix, "cluster" if shared else "replica")
+    try:
+        if shared:  # the routers reach the quota actor (created by their first report)
+            from .conftest import wait_until
+
+            def actor_up() -> bool:
+                try:
+                    return bool(ray.get_actor(actor_name(app), namespace=NAMESPACE))
+                except ValueError:
+                    return False
+            wait_until(actor_up, 60, 0.1)
+        shares, tokens = _two_router_shares(bases[0], bases[1], stack["keys"])
+    finally:
+        serve.delete(app)
+        if shared:
+            try:
+                ray.kill(ray.get_actor(actor_name(app), namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
+    print(f"\nteam-a (both routers) against team-c (one), fair share "
+          f"{'shared' if shared else 'per router'}: team-a's share per window {shares}; "
+          f"tokens per window {tokens}")
+    if shared:
+        assert all(0.4 <= s <= 0.6 for s in shares), (shares, tokens)
+    else:
+        assert sum(shares) / len(shares) >= 0.6, (shares, tokens)

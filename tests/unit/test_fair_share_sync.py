@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from serve_app.governance import fair_share_sync, quota_link, quota_state
 from serve_app.governance.cluster_quota import ClusterQuota, QuotaState
 from serve_app.governance.fair_queue import FairQueue, service_of
@@ -104,7 +102,7 @@ def test_reports_are_cumulative_so_repeats_and_abandoned_calls_count_once():
                         {MODEL: {"a": 150.0}})["others"] == {MODEL: {"a": 10.0, "b": 30.0}}
 
 
-def test_a_router_dropped_as_silent_counts_only_what_came_since(monkeypatch):
+def test_a_router_dropped_as_silent_counts_only_what_came_since():
     now = [1000.0]
     table = ServiceTable(clock=lambda: now[0])
     first = table.report("r1", None, {}, {MODEL: {"a": 100.0}})
@@ -228,6 +226,6 @@ def test_one_router_shares_nothing():
     assert cq.fair_share is None
 
 
-def test_checkpoint_ignores_an_unreadable_service_table(store, monkeypatch):  # noqa: F811
+def test_checkpoint_ignores_an_unreadable_service_table(store):  # noqa: F811
     store[quota_state._checkpoint_key("llm")] = b'{"rpm": {}, "tpm": {}, "service": {"x": 1}}'
     assert QuotaState("llm", []).service.epoch
