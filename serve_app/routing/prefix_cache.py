@@ -17,9 +17,12 @@ SGLang's cache-aware router keeps cache affinity only while the load is balanced
   ``imbalance_margin`` requests above the least-loaded. Replicas past it rank after all others.
 * Score: matched blocks, plus ``max_blocks`` on a replica holding the request's session key
   (``prompt_cache_key``/``user``: it outranks any prompt match), less
-  ``request_cost_tokens / block_tokens`` per request of load above the least-loaded candidate.
-  The highest score wins; equal scores go by rendezvous order of the request's first hash (or
-  its session), the same on every router.
+  ``request_cost_tokens / block_tokens`` per request of load more than ``LOAD_SLACK`` above the
+  least-loaded candidate. The highest score wins; equal scores go to the less loaded, then by
+  rendezvous order of the request's first hash (or its session), the same on every router.
+  The slack: a conversation's next turn is sent as its last one ends, while its replica may
+  still count that one (Serve's queue length drops when the stream closes, after the client
+  has its answer); on the CPU test a turn hopped away from its history on that one request.
 * So a prompt cached nowhere goes to the least-loaded replica (reason ``spread``); a new
   session whose system prompt every replica caches is spread by load (the match is equal); a
   conversation's next turn stays where its history is while the history outweighs the load
@@ -39,6 +42,10 @@ from serve_app.routing.policy import Candidate, Choice
 from serve_app.routing.prefix_affinity import rendezvous_order
 from serve_app.routing.prefix_blocks import BlockHasher, PromptBlocks
 from serve_app.routing.prefix_index import PrefixIndex
+
+
+# Requests of load above the least-loaded that cost nothing (see the module docstring).
+LOAD_SLACK = 1
 
 
 class PrefixCache:
@@ -100,10 +107,11 @@ class PrefixCache:
         first = (key.session if key.session is not None else key.blocks[0]).to_bytes(8, "big")
         tie = {rid: i for i, rid in enumerate(rendezvous_order(first, ids))}
 
-        def rank(rid: str) -> tuple[bool, float, int]:
+        def rank(rid: str) -> tuple[bool, float, int, int]:
             v = load[rid] if load[rid] is not None else low
             over = bound is not None and v > bound
-            return (over, -(matched[rid] - self.request_cost_blocks * (v - low)), tie[rid])
+            cost = self.request_cost_blocks * max(0, v - low - LOAD_SLACK)
+            return (over, cost - matched[rid], v, tie[rid])
 
         ranked = tuple(sorted(ids, key=rank))
         best = max(matched.values())

@@ -110,12 +110,16 @@ def app(stack):
         (served,) = [rid for rid, n in after.items() if n > before.get(rid, 0)]
         return served
 
+    def ids() -> list[str]:
+        """The three replicas' ids (a router whose feed has not started yet knows none)."""
+        return wait_until(lambda: len(x := counts()) == 3 and sorted(x), 30)
+
     def busy(replica: str, n: int = 3) -> ThreadPoolExecutor:
         """``n`` long requests (4 s each) on ``replica``: a session key whose rendezvous order
         names it, the first request alone until the routers know the session is there."""
-        ids = sorted(counts())
+        ids_now = ids()
         key = next(k for k in (f"busy-{i}" for i in range(1000))
-                   if _first_choice(ids, prompt="x", session=k) == replica)
+                   if _first_choice(ids_now, prompt="x", session=k) == replica)
         pool = ThreadPoolExecutor(n)
         body = {"prompt": f"busy work {time.monotonic()}", "prompt_cache_key": key,
                 "max_tokens": 200, "ignore_eos": True}
@@ -132,14 +136,23 @@ def app(stack):
         pool.shutdown()
         time.sleep(QUEUE_LEN_CACHE_S)
 
+    last: list[object] = []
+
     def ready() -> bool:
         try:
-            return len(counts()) == 3 and post(prompt="hi", max_tokens=1).status_code == 200
-        except (httpx.HTTPError, KeyError):
+            seen, r = counts(), post(prompt="hi", max_tokens=1)
+            last[:] = [seen, r.status_code, r.text[:300]]
+            return len(seen) == 3 and r.status_code == 200
+        except (httpx.HTTPError, KeyError) as err:
+            last[:] = [repr(err)]
             return False
 
-    wait_until(ready, 240, 0.5)
-    yield {"send": send, "busy": busy, "idle": idle, "counts": counts, "sessions": {}}
+    try:
+        wait_until(ready, 240, 0.5)
+    except AssertionError:
+        raise AssertionError(f"the three-replica app is not ready: {last}") from None
+    yield {"send": send, "busy": busy, "idle": idle, "counts": counts, "ids": ids,
+           "sessions": {}}
     serve.delete(APP)
 
 
@@ -147,7 +160,7 @@ def test_a_six_turn_session_stays_on_one_replica(app):
     """The session starts while the replica its prompt would go to by default is busy, so it
     lands elsewhere; its next five turns, sent with every replica idle, follow its history
     there (without the index they would go back to the default replica)."""
-    ids = sorted(app["counts"]())
+    ids = app["ids"]()
     turns = _turns("s1", 6)
     default = _first_choice(ids, messages=turns[0])
     work = app["busy"](default)
@@ -177,7 +190,7 @@ def test_two_routers_agree(app):
     """Eight copies of the first session's latest turn, one at a time: HAProxy spreads them
     over both routers (least connections, alternating when idle), and every one lands on the
     session's replica, which is not where the prompt would go by default."""
-    ids = sorted(app["counts"]())
+    ids = app["ids"]()
     turn = _turns("s1", 6)[-1]
     assert _first_choice(ids, messages=turn) != app["sessions"]["s1"]
     assert {app["send"](messages=turn) for _ in range(8)} == {app["sessions"]["s1"]}
@@ -191,7 +204,7 @@ def test_removing_a_replica_moves_only_its_prefixes(app):
     from ray.util.state import list_actors
 
     s1, s2 = app["sessions"]["s1"], app["sessions"]["s2"]
-    ids = sorted(app["counts"]())
+    ids = app["ids"]()
     (third,) = [rid for rid in ids if rid not in (s1, s2)]
     key = next(k for k in (f"s3-{i}" for i in range(1000))
                if _first_choice(ids, prompt="x", session=k) == third)

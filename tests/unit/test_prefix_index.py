@@ -229,7 +229,7 @@ def test_new_sessions_sharing_a_system_prompt_spread_by_load():
     # The second session matches only the system prompt on the first's replica, which is
     # busier by more than that prefill is worth.
     second = _req(messages=_session(1, "s2")[0])
-    rid, reason = _serve(policy, index, records, second, {home: 3, other: 0})
+    rid, reason = _serve(policy, index, records, second, {home: 4, other: 0})
     assert (rid, reason) == (other, "load_fallback")
     # Both cache the system prompt now: equal matches go by load.
     third = _req(messages=_session(1, "s3")[0])
@@ -290,3 +290,21 @@ def test_the_registry_builds_every_policy_by_name():
     assert isinstance(build_policy("prefix_cache", "m", block_tokens=8), PrefixCache)
     with pytest.raises(ValueError, match="prefix_cache"):
         build_policy("round_robin")
+
+
+def test_a_turn_stays_with_its_history_while_its_replica_still_counts_the_last_turn():
+    """One request of load more (the previous turn, still counted as it closes) does not move
+    a conversation whose history is worth less than a request of prefill."""
+    index, records = PrefixIndex(), {"a": ServedBlocks(10_000), "b": ServedBlocks(10_000)}
+    for rid in records:  # the system prompt is cached everywhere
+        records[rid].record(HASHER.of(_req(messages=[SYSTEM])).blocks)
+    _feed(index, records)
+    policy = _policy(index, cost=256)  # a request is worth 64 blocks, more than two turns
+    turns = _session(2)
+    home, _ = _serve(policy, index, records, _req(messages=turns[0]), {"a": 0, "b": 0})
+    other = "b" if home == "a" else "a"
+    assert _serve(policy, index, records, _req(messages=turns[1]), {home: 1, other: 0}) == \
+        (home, "affinity")
+    # Two more than the least-loaded: the history is not worth the queue.
+    turn3 = _req(messages=_session(3)[2])
+    assert _serve(policy, index, records, turn3, {home: 2, other: 0})[0] == other
