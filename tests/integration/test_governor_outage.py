@@ -50,6 +50,11 @@ LIMITS: dict[str, dict[str, Any]] = {
 }
 # How long the load runs with the actor well, to measure the requests' wall time without it.
 BASELINE_S = 3.0
+# Beside the failure rule's time-out, what a request's own time may vary on this loaded host
+# above the slowest of the baseline: a request that waited the whole second for the hung actor
+# took 1,033-1,053 ms against baselines of 58-345 ms. A governor that is waited on without the
+# time-out holds requests for as long as it hangs (seconds here), far beyond it.
+JITTER_S = 0.25
 METRIC = "ray_serve_app_quota_degraded"
 
 
@@ -145,7 +150,7 @@ def _baseline(load: Load) -> float:
 
 def _check_answers(answers: list[Answer], baseline_s: float) -> float:
     """Every answer is a 200 or a rate limit's 429, within the baseline plus the failure rule's
-    time-out; returns the slowest."""
+    time-out (and JITTER_S); returns the slowest."""
     from serve_app.governance.quota_link import CALL_TIMEOUT_S
 
     bad = [a for a in answers if a.status not in (200, 429)
@@ -154,7 +159,7 @@ def _check_answers(answers: list[Answer], baseline_s: float) -> float:
     slowest = sorted(a.wall_s for a in answers)
     print(f"\nslowest {[round(w * 1000) for w in slowest[-5:]]} ms "
           f"(baseline {baseline_s * 1000:.0f} ms)")
-    assert slowest[-1] < baseline_s + CALL_TIMEOUT_S, (slowest[-10:], baseline_s)
+    assert slowest[-1] < baseline_s + CALL_TIMEOUT_S + JITTER_S, (slowest[-10:], baseline_s)
     return slowest[-1]
 
 
