@@ -134,6 +134,17 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             request_backoff(pending_request)
         return [[by_id[rid]] for rid in choice.ranked if rid in by_id]
 
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any,
+                          result: Any) -> None:
+        """Serve's hook once a call was sent to ``replica_id``: requests (not pinned calls)
+        are told to the policy, which may count them in the replica's load."""
+        if pinned_target(pending_request) is not None:
+            return
+        try:
+            self._policy().routed(replica_id.unique_id)
+        except Exception:  # bookkeeping must never fail a request
+            logger.debug("routing policy's routed() failed", exc_info=True)
+
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
         """Each replica's queue length: from Serve's cache, else probed now (Serve's probe,
         bounded by its response deadline); None for a replica that did not answer."""

@@ -73,3 +73,7 @@ class RoutingPolicy(Protocol):
 
     def choose(self, key: object | None, candidates: list[Candidate]) -> Choice:
         """Where the request with ``key`` goes among ``candidates`` (never empty)."""
+
+    def routed(self, replica_id: str) -> None:
+        """A request was sent to ``replica_id`` (Serve's ``on_request_routed``; not for calls
+        that name their replica). Must return at once and never raise."""

@@ -18,5 +18,8 @@ class PowerOfTwo:
     def needs_load(self) -> bool:
         return False
 
+    def routed(self, replica_id: str) -> None:
+        pass
+
     def choose(self, key: object | None, candidates: list[Candidate]) -> Choice:
         return Choice("power_of_two")

@@ -75,6 +75,9 @@ class PrefixAffinity:
     def needs_load(self) -> bool:
         return True
 
+    def routed(self, replica_id: str) -> None:
+        pass
+
     def choose(self, key: object | None, candidates: list[Candidate]) -> Choice:
         if not isinstance(key, bytes) or not candidates:
             return Choice("cold")

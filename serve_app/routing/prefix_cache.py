@@ -28,9 +28,14 @@ SGLang's cache-aware router keeps cache affinity only while the load is balanced
   conversation's next turn stays where its history is while the history outweighs the load
   (``affinity``), else goes elsewhere (``load_fallback``).
 
-Loads are Serve's queue lengths (requests sent and not finished), as for ``prefix_affinity``;
-unknown ones count as the least-loaded's. A request without any whole block and without a
-session key has no key: Serve's power of two spreads it (``cold``).
+Loads are what the replicas report on the engine feed (requests they serve, ``in_engine``),
+plus the requests this router sent each since (:meth:`PrefixIndex.load`): the same figures on
+every router, fresh within a poll. Serve's queue lengths, which ``prefix_affinity`` reads, are
+each router's own cache (refreshed by its own traffic, or after 10 s): on the CPU test a
+router that had sent nothing to a busy replica saw it idle and sent a session there. A replica
+the feed has not reported yet takes Serve's figure, else counts as the least-loaded. A request
+without any whole block and without a session key has no key: Serve's power of two spreads it
+(``cold``).
 """
 
 from __future__ import annotations
@@ -87,7 +92,10 @@ class PrefixCache:
         return PromptBlocks(hashes, None)
 
     def needs_load(self) -> bool:
-        return True
+        return False  # the engine feed's loads (module docstring), not Serve's probes
+
+    def routed(self, replica_id: str) -> None:
+        self.index().routed(replica_id)
 
     def choose(self, key: object | None, candidates: list[Candidate]) -> Choice:
         if not isinstance(key, PromptBlocks) or not candidates:
@@ -98,7 +106,8 @@ class PrefixCache:
         if key.session is not None:
             for rid in index.holding(key.session, ids):
                 matched[rid] += self.hasher.max_blocks
-        load = {c.replica_id: c.load for c in candidates}
+        load = {c.replica_id: (index.load(c.replica_id) if index.load(c.replica_id) is not None
+                               else c.load) for c in candidates}
         known = [v for v in load.values() if v is not None]
         low = min(known) if known else 0
         # The most a replica may hold before it takes this request (prefix_affinity's bound).

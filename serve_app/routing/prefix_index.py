@@ -34,6 +34,10 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._replicas: dict[str, _Held] = {}
+        # Each replica's requests as the last view reported them (EngineLoad.in_engine), and
+        # the requests this router sent it since (:meth:`routed`).
+        self._loads: dict[str, int] = {}
+        self._sent: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._replicas)
@@ -59,6 +63,20 @@ class PrefixIndex:
             if load.prefix_report is not None:
                 self.take(load.replica, load.prefix_report)
         self.keep({load.replica for load in view})
+        self._loads = {load.replica: load.in_engine for load in view}
+        self._sent = {}
+
+    def routed(self, replica: str) -> None:
+        """This router sent a request to ``replica`` (counted in its load until the next
+        view, which counts it itself)."""
+        self._sent[replica] = self._sent.get(replica, 0) + 1
+
+    def load(self, replica: str) -> int | None:
+        """``replica``'s requests: as the last view reported them, plus those this router sent
+        it since; None when it is not in the view. The same figure on every router but for
+        their own latest requests (the replicas report it, not each router's own count)."""
+        base = self._loads.get(replica)
+        return None if base is None else base + self._sent.get(replica, 0)
 
     def take(self, replica: str, report: PrefixReport) -> bool:
         """Apply one replica's report; whether it was applied."""

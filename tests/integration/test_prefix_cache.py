@@ -5,9 +5,9 @@ records of what they served and the routers' engine feeds carrying them.
 Which replica served a request is read from the replicas' request counters (``requests_total``,
 as `serve-app status` shows them), one request at a time. A replica is made busy with long
 requests that share a session key (``prompt_cache_key``), so that they stay together on the
-replica the key's rendezvous order names. Before a phase that needs the replicas idle the test
-waits out Serve's cached queue lengths (``RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S``, 10 s): a
-stale "busy" would decide for the index it checks.
+replica the key's rendezvous order names. The policy reads the loads the replicas report on
+the engine feed (every router the same), so a phase that needs the replicas idle waits for the
+busy requests to end and for one more poll.
 
 The scripted engine has no prefix cache: what is checked is where requests go, not what the
 engine then finds cached (tests/integration/test_prefix_affinity.py measures that on vLLM).
@@ -36,7 +36,7 @@ MODEL = "tiny-prefix-cache"
 TENANT = "team-a"
 HASHER = BlockHasher(block_tokens=16, chars_per_token=4)  # blocks of 64 characters
 FEED_POLL_S = 0.05
-QUEUE_LEN_CACHE_S = 11.0  # Serve's cached queue lengths expire after 10 s
+SETTLE_S = 0.5  # several engine-feed polls of both routers
 SYSTEM = {"role": "system", "content": ("You answer questions about the team handbook, "
                                         "citing its sections. " * 6)}
 
@@ -131,10 +131,10 @@ def app(stack):
         return pool
 
     def idle(pool: ThreadPoolExecutor) -> None:
-        """Wait for the busy requests, then for Serve's cached queue lengths to expire."""
+        """Wait for the busy requests to end and the routers' feeds to see it."""
         assert all(f.result().status_code == 200 for f in pool.futures)  # type: ignore[attr-defined]
         pool.shutdown()
-        time.sleep(QUEUE_LEN_CACHE_S)
+        time.sleep(SETTLE_S)
 
     last: list[object] = []
 
@@ -215,7 +215,7 @@ def test_removing_a_replica_moves_only_its_prefixes(app):
                 if a.name and a.name.endswith(f"#{third}")]
     ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
     wait_until(lambda: (x := app["counts"]()) and third not in x and len(x) == 3, 120, 0.5)
-    time.sleep(QUEUE_LEN_CACHE_S)
+    time.sleep(SETTLE_S)
     moved = app["send"](messages=s3[1], prompt_cache_key=key)
     assert moved != third
     assert app["send"](messages=_turns("s1", 7)[-1]) == s1

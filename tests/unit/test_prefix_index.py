@@ -138,11 +138,13 @@ def test_reports_are_changes_since_what_the_router_holds():
 
 # The router's index ----------------------------------------------------------------------
 
-def _feed(index: PrefixIndex, records: dict[str, ServedBlocks]) -> None:
-    """One engine-feed poll: every replica answers with its report since what the index
-    holds."""
+def _feed(index: PrefixIndex, records: dict[str, ServedBlocks],
+          loads: dict[str, int] | None = None) -> None:
+    """One engine-feed poll: every replica answers with its load (``loads``, default 0) and its
+    report since what the index holds."""
     known = index.known()
-    index.apply([EngineLoad(0, 0, replica=rid, prefix_report=r.report(known.get(rid)))
+    index.apply([EngineLoad((loads or {}).get(rid, 0), 0, replica=rid,
+                            prefix_report=r.report(known.get(rid)))
                  for rid, r in records.items()])
 
 
@@ -196,12 +198,14 @@ def _policy(index: PrefixIndex, cost: int = 4, margin: int = 4) -> PrefixCache:
 
 def _serve(policy: PrefixCache, index: PrefixIndex, records: dict[str, ServedBlocks],
            request: GenerationRequest, loads: dict[str, int]) -> tuple[str, str]:
-    """Route ``request``, record it on the replica chosen, let the feed poll; the replica and
-    the reason."""
-    choice = policy.choose(policy.key(request), [Candidate(r, loads[r]) for r in loads])
+    """The feed reports ``loads``; route ``request``, record it on the replica chosen, let the
+    feed poll again; the replica and the reason. (Serve's queue lengths are left unknown: the
+    policy reads the feed's.)"""
+    _feed(index, records, loads)
+    choice = policy.choose(policy.key(request), [Candidate(r, None) for r in loads])
     rid = choice.ranked[0]
     records[rid].record(request.prefix_hashes or ())
-    _feed(index, records)
+    _feed(index, records, loads)
     return rid, choice.reason
 
 
@@ -253,9 +257,17 @@ def test_the_load_bound_overrides_any_match():
     _feed(index, records)
     policy = _policy(index, cost=0)  # only the bound keeps it off its replica
     key = policy.key(_req(prompt="p" * 400 + "?"))
-    assert policy.choose(key, [Candidate("a", 6), Candidate("b", 2)]).ranked[0] == "a"
-    past = policy.choose(key, [Candidate("a", 7), Candidate("b", 2)])
+    cands = [Candidate("a", None), Candidate("b", None)]
+    _feed(index, records, {"a": 6, "b": 2})
+    assert policy.choose(key, cands).ranked[0] == "a"
+    _feed(index, records, {"a": 7, "b": 2})
+    past = policy.choose(key, cands)
     assert (past.reason, past.ranked) == ("load_fallback", ("b", "a"))
+    # Requests this router sent count in a replica's load until the next view.
+    _feed(index, records, {"a": 0, "b": 0})
+    index.routed("a")
+    index.routed("a")
+    assert index.load("a") == 2 and index.load("c") is None
 
 
 def test_a_session_key_keeps_a_session_together_over_a_longer_prompt_match():
