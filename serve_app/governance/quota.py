@@ -143,6 +143,30 @@ class QuotaBook:
             rpm.take(1, now)
         return ADMITTED
 
+    def admit_many(self, tenant: str, want: int) -> tuple[int, Admission]:
+        """Admit up to ``want`` requests of ``tenant`` now, as ``want`` calls of :meth:`admit`
+        would, in a fixed number of steps (a lease of a tenant with a high request rate asks
+        for a second's worth: 166,667 requests at 10 million per minute; counted one at a
+        time, that held every new lease 130 ms, and a request after 2 s idle waited for one).
+        Returns how many were admitted and, when fewer than
+        ``want``, the refusal that stopped the count (else :data:`ADMITTED`)."""
+        if want < 1:
+            return 0, ADMITTED
+        first = self.admit(tenant)  # the token check, and the wait of a refusal
+        if not first.admitted:
+            return 0, first
+        rpm = self._rpm.get(tenant)
+        if rpm is None:  # admit() takes nothing without a request limit: all pass alike
+            return want, ADMITTED
+        rpm._refill(self.clock())
+        more = min(want - 1, max(0, math.floor(rpm.level)))
+        rpm.level -= more
+        granted = 1 + more
+        if granted == want:
+            return granted, ADMITTED
+        last = self.admit(tenant)  # the refusal (or one refilled meanwhile)
+        return (granted + 1, ADMITTED) if last.admitted else (granted, last)
+
     def refund(self, tenant: str) -> None:
         """Give back the request token of an admitted request that was then refused elsewhere
         (its model's queue was full): a refused request costs no quota."""

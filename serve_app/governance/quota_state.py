@@ -28,7 +28,7 @@ from serve_app.config import TenantSettings
 from serve_app.governance import live_config
 from serve_app.governance.concurrency import SlotTable
 from serve_app.governance.fair_share_sync import ServiceTable
-from serve_app.governance.quota import ADMITTED, QuotaBook
+from serve_app.governance.quota import QuotaBook
 
 logger = logging.getLogger(__name__)
 
@@ -151,13 +151,7 @@ class QuotaState:
         ``message`` of the refusal; and ``snapshot``, the buckets of ``tenant`` and of every
         tenant charged, after it."""
         self._apply(charges, returns)
-        granted, refusal = 0, ADMITTED
-        while granted < want:
-            decision = self.book.admit(tenant)
-            if not decision.admitted:
-                refusal = decision
-                break
-            granted += 1
+        granted, refusal = self.book.admit_many(tenant, want)
         self._checkpoint()
         return {"granted": granted, "retry_after_s": refusal.retry_after_s,
                 "limit": refusal.limit, "message": refusal.message,
