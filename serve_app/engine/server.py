@@ -72,6 +72,10 @@ class LLMServer:
         done with the request."""
         self.active += 1
         self.requests_total += 1
+        if request.prefix_hashes:
+            # Counted as cached from now: the engine caches the prompt as it prefills it, and
+            # a non-streaming request's first chunk comes only at its end.
+            self._record(request)
         router = request.reply_to
         first = True
         chunks = self.engine.generate(request)
@@ -82,8 +86,6 @@ class LLMServer:
                 if first:
                     first = False
                     chunk.replica = self.replica_id
-                    if request.prefix_hashes:  # started: its prompt is in the engine's cache
-                        self._record(request)
                     yield chunk.to_wire()
                 elif router is not None:
                     self.channels.push(router, request.request_id, chunk.to_wire())
@@ -138,7 +140,7 @@ class LLMServer:
                                    prefix_report=report)
 
     def _record(self, request: GenerationRequest) -> None:
-        """Count ``request``'s block hashes as cached (its prompt has started in the engine).
+        """Count ``request``'s block hashes as cached (its prompt is going into the engine).
         The record holds the engine's KV cache in blocks of the request's size."""
         if self.served is None:
             size = max(1, request.prefix_block_tokens)
@@ -231,8 +233,8 @@ def _replica_id() -> str:
 # The prefix_cache policy's replica side ----------------------------------------------------
 # What this replica's prefix cache holds, as the block hashes of what it served. The router
 # hashes each request's leading blocks once (serve_app/routing/prefix_blocks.py) and sends the
-# hashes with it; the replica records them when the engine has started the request (its prompt
-# is then cached). The record is bounded: the engine's KV cache in blocks, evicted least
+# hashes with it; the replica records them as it hands the request to the engine (which caches
+# the prompt as it prefills it: requests sharing a prefix that arrive meanwhile are sent here). The record is bounded: the engine's KV cache in blocks, evicted least
 # recently used first. That approximates vLLM's eviction (free blocks go least recently used
 # first, a request's tail blocks before its head): a request's hashes are touched last block
 # first, so its first block is the most recent and a prefix outlives its tails, as in the

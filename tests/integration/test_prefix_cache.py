@@ -151,7 +151,10 @@ def app(stack):
         wait_until(ready, 240, 0.5)
     except AssertionError:
         raise AssertionError(f"the three-replica app is not ready: {last}") from None
-    yield {"send": send, "busy": busy, "idle": idle, "counts": counts, "ids": ids,
+    def state() -> list[dict]:
+        return router.admission_state.remote().result(timeout_s=30)[MODEL]["per_replica"]
+
+    yield {"send": send, "busy": busy, "idle": idle, "counts": counts, "ids": ids, "state": state,
            "sessions": {}}
     serve.delete(APP)
 
@@ -179,9 +182,10 @@ def test_a_second_session_with_the_same_system_prompt_goes_where_the_load_is_low
     home = app["sessions"]["s1"]
     turns = _turns("s2", 3)
     work = app["busy"](home)
+    state = app["state"]()
     first = app["send"](messages=turns[0])
     app["idle"](work)
-    assert first != home
+    assert first != home, (home, state)
     assert [app["send"](messages=t) for t in turns[1:]] == [first] * 2
     app["sessions"]["s2"] = first
 
