@@ -9,12 +9,22 @@
 #           (64 x 4096 = 262k tokens: more than one replica's KV cache at 0.3, less than two)
 #   random  random prompts of PREFIX+SUFFIX tokens, no shared prefix (no-regression check)
 #   hot     the shared workload with one tenant sending 70% of the requests
+#   chat    multi-turn chat (issue 38): CHAT_GROUPS (8) system prompts of CHAT_PREFIX (1024) tokens
+#           over the 4 tenants, their popularity Zipf-skewed (SKEW 1.0), SESSIONS (64) sessions a
+#           round of TURNS (6) turns, each turn the whole history (+ CHAT_SUFFIX 256 user tokens
+#           and an OUTPUT-token answer), NUM_CHAT (384) requests after one warm-up per prompt
+#   history the same with short system prompts and long turns (256-token prompts, 512-token
+#           user turns, 256-token answers)
+# Each arm's row carries the workload's ceiling: the share of its prompt tokens a perfect router
+# (unbounded caches) could find cached (serve_bench.shared_prefix.cached_ceiling).
 # A policy change rolls the routers only (the engines and their caches stay), so each arm draws
 # its prefixes with its own seed: no arm finds another's prefixes cached.
 # Per arm: TTFT p50/p99 and output throughput (serve-app bench), prefix-cache hit rate and
 # finished requests per replica (vLLM's counters through Ray's metrics agents, read after the
 # warm-up and after the run), running requests per replica sampled every second.
-# usage: bench/gpu_prefix_affinity.sh [CONFIG]   (env: PYTHON, OUT, UTIL=0.3, POLICIES,
+# usage: bench/gpu_prefix_affinity.sh [CONFIG]   (env: PYTHON, OUT, UTIL=0.3, POLICIES (default
+#   "power_of_two prefix_affinity"; issue 38: "power_of_two prefix_cache"), MAX_BLOCKS and
+#   REQUEST_COST_TOKENS (prefix_cache's knobs),
 #   WORKLOADS, PREFIX_GROUPS=64 PREFIX=4096 SUFFIX=256 OUTPUT=128 CONC=32 NUM=256, MARGIN (routing.
 #   imbalance_margin), LOAD_FACTOR (routing.load_factor), PREFIX_BLOCKS, BLOCK_TOKENS (routing
 #   key), TOKEN_RANGE, GPUS=0,0, CPUS=8, KV_BYTES (each engine's KV cache in bytes: two engines that
@@ -62,8 +72,13 @@ if model.get("device", "gpu") == "gpu":
     if os.environ.get("KV_BYTES"):  # both engines the same KV cache (see KV_BYTES above)
         model["engine_kwargs"]["kv_cache_memory_bytes"] = int(os.environ["KV_BYTES"])
 routing = {"policy": policy}
-for knob, env in (("imbalance_margin", "MARGIN"), ("prefix_blocks", "PREFIX_BLOCKS"),
-                  ("block_tokens", "BLOCK_TOKENS"), ("load_factor", "LOAD_FACTOR")):
+knobs = {"imbalance_margin": "MARGIN", "block_tokens": "BLOCK_TOKENS",
+         "load_factor": "LOAD_FACTOR"}
+if policy == "prefix_affinity":
+    knobs["prefix_blocks"] = "PREFIX_BLOCKS"
+if policy == "prefix_cache":
+    knobs.update(max_blocks="MAX_BLOCKS", request_cost_tokens="REQUEST_COST_TOKENS")
+for knob, env in knobs.items():
     if os.environ.get(env):
         routing[knob] = (float if knob == "load_factor" else int)(os.environ[env])
 model["routing"] = routing
@@ -87,14 +102,21 @@ bench_args() {  # workload seed: the serve-app bench arguments of one arm
   [ "$1" = hot ] && tenants="--tenant t0:${KEYS[0]}:0.7 --tenant t1:${KEYS[1]}:0.1 --tenant t2:${KEYS[2]}:0.1 --tenant t3:${KEYS[3]}:0.1"
   local shape="--prefix-groups $GROUPS_N --prefix-len $PREFIX --input-len $SUFFIX"
   [ "$1" = random ] && shape="--input-len $((PREFIX + SUFFIX)) --warmup $CONC"
+  local sessions="--turns ${TURNS:-6} --sessions ${SESSIONS:-64} --prefix-skew ${SKEW:-1.0}"
+  [ "$1" = chat ] && shape="--prefix-groups $CHAT_GROUPS --prefix-len ${CHAT_PREFIX:-1024} \
+--input-len ${CHAT_SUFFIX:-256} $sessions"
+  [ "$1" = history ] && shape="--prefix-groups $CHAT_GROUPS --prefix-len 256 --input-len 512 \
+--output-len 256 $sessions"
   echo "--base-url http://127.0.0.1:$PORT --model $MODEL --concurrency $CONC --output-len $OUTPUT \
 --token-range ${TOKEN_RANGE:-1000-20000} --seed $2 --quiet $tenants $shape"
 }
 
 FINISHED=0  # requests the engines have finished since they started (every arm's, in order)
+CHAT_GROUPS=${CHAT_GROUPS:-8}
 arm() {  # workload policy seed
-  local name="$1--$2" d="$DIR/$1--$2" warm=$GROUPS_N
+  local name="$1--$2" d="$DIR/$1--$2" warm=$GROUPS_N num=$NUM
   [ "$1" = random ] && warm=$CONC
+  case "$1" in chat|history) warm=$CHAT_GROUPS; num=${NUM_CHAT:-384};; esac
   mkdir -p "$d"
   echo "-- $name"
   $PY -m serve_app.cli bench $(bench_args "$1" "$3") --warmup-only > "$d/warmup.log" 2>&1
@@ -102,10 +124,10 @@ arm() {  # workload policy seed
   $PY bench/prefix_affinity_report.py scrape "$d/before.json" --min-finished $FINISHED
   $PY bench/prefix_affinity_report.py sample "$d/load.jsonl" --address "$ADDRESS" 2> "$d/sample.log" &
   local sampler=$!
-  $PY -m serve_app.cli bench $(bench_args "$1" "$3") --warmup 0 --num-requests "$NUM" \
+  $PY -m serve_app.cli bench $(bench_args "$1" "$3") --warmup 0 --num-requests "$num" \
     --label "$name" --out "$d" > "$d/bench.log" 2>&1
   kill -TERM $sampler; wait $sampler 2>/dev/null
-  FINISHED=$((FINISHED + NUM))
+  FINISHED=$((FINISHED + num))
   $PY bench/prefix_affinity_report.py scrape "$d/after.json" --min-finished $FINISHED
   grep -A4 "^## Runs" "$d/summary.md" 2>/dev/null || tail -n 5 "$d/bench.log"
 }
@@ -141,9 +163,9 @@ done
 grep -h "KV cache size" /tmp/ray/session_latest/logs/*.err /tmp/ray/session_latest/logs/*.out \
   2>/dev/null | sort -u > "$DIR/kv-cache.txt"
 {
-  echo "### Prefix affinity against power of two choices ($MODEL, two replicas on one device)"
+  echo "### ${POLICIES:-power_of_two prefix_affinity} ($MODEL, two replicas on one device)"
   echo
-  echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each${KV_BYTES:+, KV cache $KV_BYTES bytes each}; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%."
+  echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each${KV_BYTES:+, KV cache $KV_BYTES bytes each}; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%; chat: $CHAT_GROUPS system prompts x ${CHAT_PREFIX:-1024} tokens (skew ${SKEW:-1.0}), ${SESSIONS:-64} sessions x ${TURNS:-6} turns of ${CHAT_SUFFIX:-256} + $OUTPUT tokens, ${NUM_CHAT:-384} requests; history: the same with 256-token system prompts, 512-token turns, 256-token answers."
   echo
   $PY bench/prefix_affinity_report.py table "$DIR"
   echo; echo "Engines' KV caches:"; sed 's/^/    /' "$DIR/kv-cache.txt"

@@ -138,13 +138,15 @@ def load_balance(lines: list[str]) -> tuple[dict[str, float], float]:
 
 def table(root: Path) -> str:
     rows = ["| workload | policy | TTFT p50 (ms) | TTFT p99 (ms) | out tok/s | hit rate "
-            "(all) | hit rate per replica | requests per replica | mean running per replica "
-            "(max/min) | failed |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "(all) | ceiling | hit rate per replica | requests per replica | mean running per "
+            "replica (max/min) | failed |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by_workload: dict[str, dict[str, dict[str, float]]] = {}
     for arm in sorted(p for p in root.iterdir() if (p / "results.json").exists()):
         workload, _, policy = arm.name.partition("--")
-        s = json.loads((arm / "results.json").read_text())["runs"][-1]["summary"]
+        run = json.loads((arm / "results.json").read_text())["runs"][-1]
+        s = run["summary"]
+        ceiling = run.get("prefix_ceiling")
         rates = hit_rates(json.loads((arm / "before.json").read_text()),
                           json.loads((arm / "after.json").read_text()))
         rates = {rid: d for rid, d in rates.items() if d["queries"] > 0}
@@ -159,15 +161,18 @@ def table(root: Path) -> str:
         rows.append(
             f"| {workload} | {policy} | {s['ttft_ms']['median']:.1f} | "
             f"{s['ttft_ms']['p99']:.1f} | {s['output_throughput']:.0f} | {overall:.3f} | "
+            + ("-" if ceiling is None else f"{ceiling:.3f}") + " | "
             + ", ".join(f"{d['hit_rate']:.2f}" for d in rates.values()) + " | "
             + ", ".join(f"{d['finished']:.0f}" for d in rates.values()) + " | "
             + ", ".join(f"{v:.1f}" for v in means.values()) + f" ({ratio:.2f}) | "
             f"{s['failed']} |")
     rows.append("")
     for workload, arms in by_workload.items():
-        base, new = arms.get("power_of_two"), arms.get("prefix_affinity")
-        if base and new:
-            rows.append(f"- {workload}: prefix_affinity / power_of_two: TTFT p50 "
+        base = arms.get("power_of_two")
+        for policy, new in arms.items():
+            if base is None or policy == "power_of_two":
+                continue
+            rows.append(f"- {workload}: {policy} / power_of_two: TTFT p50 "
                         f"**{new['ttft'] / base['ttft']:.2f}x**, output throughput "
                         f"**{new['tput'] / base['tput']:.2f}x**, hit rate {base['hit']:.2f} -> "
                         f"{new['hit']:.2f}, running max/min {base['ratio']:.2f} -> "

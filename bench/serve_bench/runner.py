@@ -19,6 +19,7 @@ from serve_bench.client import Progress, Target, run_concurrency, run_static
 from serve_bench.stats import SLO, service_over_time, summarize, summarize_by_tenant
 from serve_bench.shared_prefix import (
     SharedPrefix,
+    cached_ceiling,
     iter_shared_prefix,
     shared_prefix_plan,
     warmup_requests,
@@ -63,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=1,
                    help="shared-prefix mode: turns per session; each turn's prompt holds the "
                    "earlier turns (suffix + an output-length answer), so history grows")
+    p.add_argument("--sessions", type=int, default=0,
+                   help="shared-prefix mode: sessions per round (default: one per group); "
+                   "with --turns, many conversations over a few system prompts")
+    p.add_argument("--prefix-skew", type=float, default=0.0,
+                   help="shared-prefix mode: Zipf exponent of the groups' popularity within a "
+                   "tenant (0: uniform)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-e2el-ms", type=float, default=None)
@@ -118,11 +125,18 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             reqs = iter_plan(n, in_len, out_len, tenants, vocab, seed=args.seed + i,
                              rate=args.rate, burstiness=args.burstiness)
         label = f"c={conc}" + (f" rate={args.rate}" if args.rate else "")
+        sent: list[Any] = []
+        if shape is not None:  # keep what is sent, for the workload's ceiling
+            reqs = _kept(reqs, sent)
         records, wall = await run_concurrency(
             target, reqs, conc, Progress(n or 0, label, progress_on), args.duration)
         t0 = min(r.start for r in records)
+        ceiling = None
+        if shape is not None:  # the group warm-up counts as sent (default or --warmup-only)
+            ceiling = cached_ceiling(sent, seen_before=warmup_requests(shape, tenants, vocab,
+                                                                       args.seed))
         runs.append({
-            "name": label, "concurrency": conc, "rate": args.rate,
+            "name": label, "concurrency": conc, "rate": args.rate, "prefix_ceiling": ceiling,
             "summary": summarize(records, wall, slo),
             "tenants": summarize_by_tenant(records, wall, slo),
             "records": [r.to_dict() for r in records],
@@ -136,7 +150,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "workload": (f"input {args.input_len} tokens" if shape is None else
                      f"shared prefix: {shape.groups} groups of {shape.prefix_len} tokens, unique "
-                     f"suffix {shape.suffix_len} tokens, {shape.turns} turn(s) per session")
+                     f"suffix {shape.suffix_len} tokens, {shape.turns} turn(s) per session"
+                     + (f", {shape.sessions} sessions per round" if shape.sessions else "")
+                     + (f", popularity skew {shape.skew:g}" if shape.skew else ""))
                     + f", output {args.output_len} tokens (ignore_eos), {args.num_requests} "
                     f"requests per run, tenants {[t.name for t in tenants]}",
         "runs": runs,
@@ -156,7 +172,15 @@ def shared_prefix_shape(args: argparse.Namespace, in_len: tuple[int, int],
     if in_len[0] != in_len[1] or out_len[0] != out_len[1]:
         raise SystemExit("shared-prefix mode: give --input-len (the suffix) and --output-len "
                          "as one number each")
-    return SharedPrefix(args.prefix_groups, args.prefix_len, in_len[0], out_len[0], args.turns)
+    return SharedPrefix(args.prefix_groups, args.prefix_len, in_len[0], out_len[0], args.turns,
+                        args.sessions, args.prefix_skew)
+
+
+def _kept(reqs: Any, sent: list[Any]) -> Any:
+    """``reqs`` as drawn, each also appended to ``sent``."""
+    for req in reqs:
+        sent.append(req)
+        yield req
 
 
 def redact_keys(argv: list[str]) -> list[str]:

@@ -12,8 +12,15 @@ group's prefix followed by a unique suffix of S tokens, and asks for O output to
   assistant's answer, then the new suffix, so a session's history grows by S + O tokens a
   turn. The plan goes round by round (every session's turn 1, then every turn 2, ...), so a
   session's next turn is usually sent after its last one finished.
+* ``sessions`` (default: one per group) is how many sessions a round holds: many
+  conversations over a few system prompts (``--sessions 64 --prefix-groups 8``). ``skew`` > 0
+  makes a tenant's groups unequally popular: group rank r (0 first) is drawn with weight
+  1 / (r + 1) ** skew (Zipf; 0: uniform, as before).
 * :func:`warmup_requests` is one request per group: the prefixes are cached somewhere before
   the measured run, as in the issue's ceiling measurement.
+* :func:`cached_ceiling` is the share of the run's prompt tokens that a perfect router could
+  find cached: each request's longest prefix, in whole cache blocks, that an earlier request of
+  its tenant (the warm-up included) already sent, with an unbounded cache.
 
 Prompts are token ids (as the rest of the bench), so their lengths are exact.
 """
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from serve_bench.workload import PlannedRequest, Tenant, gamma_offsets
@@ -39,11 +46,15 @@ class SharedPrefix:
     suffix_len: int
     output_len: int
     turns: int = 1
+    sessions: int = 0  # sessions per round; 0: one per group
+    skew: float = 0.0  # Zipf exponent of the groups' popularity within a tenant
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.prefix_len < 1 or self.suffix_len < 1 or self.turns < 1:
             raise ValueError("shared prefix: groups, prefix length, suffix length and turns "
                              "must be at least 1")
+        if self.sessions < 0 or self.skew < 0:
+            raise ValueError("shared prefix: sessions and skew must be at least 0")
         if self.output_len < 1:
             raise ValueError("shared prefix: output length must be at least 1")
 
@@ -76,6 +87,8 @@ def iter_shared_prefix(n: int | None, shape: SharedPrefix, tenants: list[Tenant]
     owned = tenant_groups(shape, tenants)
     prefixes = {g: group_prefix(g, shape.prefix_len, vocab, seed) for g in range(shape.groups)}
     weights = [t.share for t in tenants]
+    popularity = {name: [1.0 / (r + 1) ** shape.skew for r in range(len(groups))]
+                  for name, groups in owned.items()}
 
     def draw() -> list[int]:
         return [rng.randrange(*vocab) for _ in range(shape.suffix_len)]
@@ -87,9 +100,11 @@ def iter_shared_prefix(n: int | None, shape: SharedPrefix, tenants: list[Tenant]
     while True:
         # One round: a session per draw of (tenant, group); turns > 1 repeat the sessions.
         sessions = []
-        for _ in range(max(1, shape.groups)):
+        for _ in range(shape.sessions or shape.groups):
             tenant = rng.choices(tenants, weights)[0]
-            sessions.append((tenant, rng.choice(owned[tenant.name]), []))
+            group = (rng.choice(owned[tenant.name]) if not shape.skew else
+                     rng.choices(owned[tenant.name], popularity[tenant.name])[0])
+            sessions.append((tenant, group, []))
         for turn in range(shape.turns):
             for tenant, group, history in sessions:
                 i = next(index)
@@ -117,3 +132,31 @@ def warmup_requests(shape: SharedPrefix, tenants: list[Tenant], vocab: tuple[int
                            + [rng.randrange(*vocab) for _ in range(shape.suffix_len)],
                            shape.output_len, owner[g], None)
             for g in range(shape.groups)]
+
+
+def cached_ceiling(requests: Iterable[PlannedRequest], block_tokens: int = 16,
+                   seen_before: Iterable[PlannedRequest] = ()) -> float:
+    """The share of ``requests``' prompt tokens a perfect router could find cached (module
+    docstring): per request, the whole blocks of ``block_tokens`` (vLLM's block size on GPU)
+    from its first that an earlier request of its tenant, or one of ``seen_before`` (the
+    warm-up), already sent. 0 for no prompt tokens."""
+    seen: set[int] = set()
+
+    def blocks(req: PlannedRequest) -> list[int]:
+        """Chained keys (this process's tuple hash: a collision is one block miscounted)."""
+        ids, out, key = req.prompt_token_ids, [], hash(req.tenant.name)
+        for i in range(len(ids) // block_tokens):
+            key = hash((key, tuple(ids[i * block_tokens:(i + 1) * block_tokens])))
+            out.append(key)
+        return out
+
+    for req in seen_before:
+        seen.update(blocks(req))
+    found = total = 0
+    for req in requests:
+        keys = blocks(req)
+        total += len(req.prompt_token_ids)
+        hit = next((i for i, k in enumerate(keys) if k not in seen), len(keys))
+        found += hit * block_tokens
+        seen.update(keys)
+    return found / total if total else 0.0
