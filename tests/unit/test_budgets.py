@@ -215,3 +215,23 @@ def test_a_tenant_without_a_budget_never_waits_for_the_store(monkeypatch):
         assert not book.ready("a")
         sync._task.cancel()
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("routers", [2, 4])
+def test_reservations_on_every_router_stay_within_the_budget_regression_budget_overspent_over_routers(
+        routers):
+    """Each router replica holds its reservations to its part of what is left, so requests
+    started together on all of them reserve at most the budget plus one request's reservation
+    (each replica once counted only its own reservations against the whole budget: 40 requests
+    of 65 tokens over two replicas spent 2,600 of a 2,000-token budget)."""
+    clock = Clock(_ts(2026, 12, 3, 12))
+    books = [BudgetBook([_tenant(tokens=2000)], clock=clock, routers=routers)
+             for _ in range(routers)]
+    admitted = [0] * routers
+    for _ in range(40):  # started together: the requests arrive at the replicas in turn
+        for i, book in enumerate(books):
+            if book.check("a", 65) is None:
+                book.reserve("a", 65)
+                admitted[i] += 1
+    assert sum(admitted) * 65 <= 2000 + 65, admitted
+    assert sum(admitted) * 65 >= 2000 - routers * 65 * routers, admitted  # not starved either
