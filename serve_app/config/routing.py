@@ -17,8 +17,11 @@ class RoutingSettings(_Strict):
     the same replica, where vLLM's prefix cache holds that prefix, unless that replica would
     hold more than ``load_factor`` times the mean load and more than ``imbalance_margin``
     requests above the least-loaded; prompts shorter than one key block are spread by power of
-    two. ``power_of_two`` is Ray Serve's own choice for every request: two random replicas, the
-    one with fewer requests wins. The default is the one that measured best on one H200 with
+    two. ``prefix_cache`` sends a request to the replica holding the longest cached prefix of
+    its prompt (an index of what each replica served, the same on every router), weighed
+    against load within the same bound: it follows multi-turn conversations
+    (:mod:`serve_app.routing.prefix_cache`). ``power_of_two`` is Ray Serve's own choice for
+    every request: two random replicas, the one with fewer requests wins. The default is the one that measured best on one H200 with
     two replicas (bench/RESULTS.md 31b): on shared prefixes TTFT p50 0.31x and output 1.28x of
     power of two; on random prompts equal throughput; with one tenant at 70% no replica busier.
     """
