@@ -16,7 +16,8 @@
 #   history the same with short system prompts and long turns (256-token prompts, 512-token
 #           user turns, 256-token answers)
 # Each arm's row carries the workload's ceiling: the share of its prompt tokens a perfect router
-# (unbounded caches) could find cached (serve_bench.shared_prefix.cached_ceiling).
+# (unbounded caches) could find cached (serve_bench.shared_prefix.cached_ceiling), and under
+# prefix_cache the error of the replicas' LRU records (predicted cached share against vLLM's).
 # A policy change rolls the routers only (the engines and their caches stay), so each arm draws
 # its prefixes with its own seed: no arm finds another's prefixes cached.
 # Per arm: TTFT p50/p99 and output throughput (serve-app bench), prefix-cache hit rate and
@@ -122,6 +123,8 @@ arm() {  # workload policy seed
   $PY -m serve_app.cli bench $(bench_args "$1" "$3") --warmup-only > "$d/warmup.log" 2>&1
   FINISHED=$((FINISHED + warm))
   $PY bench/prefix_affinity_report.py scrape "$d/before.json" --min-finished $FINISHED
+  $PY bench/prefix_affinity_report.py record "$d/record-before.json" --address "$ADDRESS" \
+    --model "$MODEL" 2>> "$d/sample.log"
   $PY bench/prefix_affinity_report.py sample "$d/load.jsonl" --address "$ADDRESS" 2> "$d/sample.log" &
   local sampler=$!
   $PY -m serve_app.cli bench $(bench_args "$1" "$3") --warmup 0 --num-requests "$num" \
@@ -129,6 +132,8 @@ arm() {  # workload policy seed
   kill -TERM $sampler; wait $sampler 2>/dev/null
   FINISHED=$((FINISHED + num))
   $PY bench/prefix_affinity_report.py scrape "$d/after.json" --min-finished $FINISHED
+  $PY bench/prefix_affinity_report.py record "$d/record-after.json" --address "$ADDRESS" \
+    --model "$MODEL" 2>> "$d/sample.log"
   grep -A4 "^## Runs" "$d/summary.md" 2>/dev/null || tail -n 5 "$d/bench.log"
 }
 

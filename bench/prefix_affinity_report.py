@@ -10,6 +10,10 @@ replicas' load during it, and write the comparison table.
     python bench/prefix_affinity_report.py sample OUT.json --address ADDR [--interval-s 1]
         every interval until SIGTERM/SIGINT: each engine replica's running and waiting requests
         (serve-app status, the router's engine feed), one sample per line of OUT.json
+    python bench/prefix_affinity_report.py record OUT.json --address ADDR --model MODEL
+        each engine replica's record-error counters (LLMServer.prefix_record_stats: how well
+        prefix_cache's LRU record of served blocks predicted the engine's cached tokens),
+        summed over the replicas; zeros under policies that send no block hashes
     python bench/prefix_affinity_report.py table DIR
         the markdown summary of every arm under DIR (DIR/ARM/{results.json, before.json,
         after.json, load.jsonl}), pairs of policies per workload with their ratios
@@ -105,6 +109,37 @@ def sample(out: Path, address: str, interval_s: float) -> None:
             time.sleep(interval_s)
 
 
+def record(out: Path, address: str, model: str) -> None:
+    import asyncio
+
+    import ray
+    from ray import serve
+
+    from serve_app.app import APP_NAME, llm_server_name
+    from serve_app.serve_private import broadcast_each
+
+    ray.init(address=address, log_to_driver=False)
+    handle = serve.get_deployment_handle(llm_server_name(model), app_name=APP_NAME)
+    answers = asyncio.run(broadcast_each(handle, "prefix_record_stats", timeout_s=30))
+    total: dict[str, float] = {}
+    for a in answers:
+        if isinstance(a, dict):
+            for k, v in a.items():
+                total[k] = total.get(k, 0.0) + v
+    out.write_text(json.dumps(total, indent=1))
+
+
+def record_error(before: dict[str, float], after: dict[str, float]) -> str:
+    """The record's prediction over a run: predicted and engine-cached shares of the prompt
+    tokens and the mean absolute error per request, as the table's cell ("-": none)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    if not d.get("requests") or not d.get("prompt_tokens"):
+        return "-"
+    return (f"{d['predicted_tokens'] / d['prompt_tokens']:.2f} / "
+            f"{d['cached_tokens'] / d['prompt_tokens']:.2f}, "
+            f"{d['abs_error_tokens'] / d['requests']:.0f} tok")
+
+
 def hit_rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per replica over the run: hit rate, queries, hits and requests finished (after - before)."""
     out = {}
@@ -138,15 +173,19 @@ def load_balance(lines: list[str]) -> tuple[dict[str, float], float]:
 
 def table(root: Path) -> str:
     rows = ["| workload | policy | TTFT p50 (ms) | TTFT p99 (ms) | out tok/s | hit rate "
-            "(all) | ceiling | hit rate per replica | requests per replica | mean running per "
-            "replica (max/min) | failed |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "(all) | ceiling | record predicted / cached, mean abs error | hit rate per "
+            "replica | requests per replica | mean running per replica (max/min) | failed |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by_workload: dict[str, dict[str, dict[str, float]]] = {}
     for arm in sorted(p for p in root.iterdir() if (p / "results.json").exists()):
         workload, _, policy = arm.name.partition("--")
         run = json.loads((arm / "results.json").read_text())["runs"][-1]
         s = run["summary"]
         ceiling = run.get("prefix_ceiling")
+        err = "-"
+        if (arm / "record-before.json").exists() and (arm / "record-after.json").exists():
+            err = record_error(json.loads((arm / "record-before.json").read_text()),
+                               json.loads((arm / "record-after.json").read_text()))
         rates = hit_rates(json.loads((arm / "before.json").read_text()),
                           json.loads((arm / "after.json").read_text()))
         rates = {rid: d for rid, d in rates.items() if d["queries"] > 0}
@@ -161,7 +200,7 @@ def table(root: Path) -> str:
         rows.append(
             f"| {workload} | {policy} | {s['ttft_ms']['median']:.1f} | "
             f"{s['ttft_ms']['p99']:.1f} | {s['output_throughput']:.0f} | {overall:.3f} | "
-            + ("-" if ceiling is None else f"{ceiling:.3f}") + " | "
+            + ("-" if ceiling is None else f"{ceiling:.3f}") + f" | {err} | "
             + ", ".join(f"{d['hit_rate']:.2f}" for d in rates.values()) + " | "
             + ", ".join(f"{d['finished']:.0f}" for d in rates.values()) + " | "
             + ", ".join(f"{v:.1f}" for v in means.values()) + f" ({ratio:.2f}) | "
@@ -192,6 +231,10 @@ def main() -> int:
     s.add_argument("out", type=Path)
     s.add_argument("--address", default="auto")
     s.add_argument("--interval-s", type=float, default=0.5)
+    s = sub.add_parser("record")
+    s.add_argument("out", type=Path)
+    s.add_argument("--address", default="auto")
+    s.add_argument("--model", required=True)
     s = sub.add_parser("table")
     s.add_argument("dir", type=Path)
     args = p.parse_args()
@@ -199,6 +242,8 @@ def main() -> int:
         scrape(args.out, args.sd, args.min_finished)
     elif args.cmd == "sample":
         sample(args.out, args.address, args.interval_s)
+    elif args.cmd == "record":
+        record(args.out, args.address, args.model)
     else:
         print(table(args.dir), end="")
     return 0

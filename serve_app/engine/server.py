@@ -24,6 +24,7 @@ from serve_app.engine.protocol import (
     WireChunk,
 )
 from serve_app.engine.router_reports import RouterReports
+from serve_app.engine.timing import CACHED_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class LLMServer:
         # The prefix_cache policy's record of what this replica's engine caches; made with
         # the first request that carries block hashes (:meth:`_record`).
         self.served: ServedBlocks | None = None
+        self.record_error = RecordError()
         await self.engine.start()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[WireChunk]:
@@ -72,10 +74,11 @@ class LLMServer:
         done with the request."""
         self.active += 1
         self.requests_total += 1
+        predicted = None
         if request.prefix_hashes:
             # Counted as cached from now: the engine caches the prompt as it prefills it, and
             # a non-streaming request's first chunk comes only at its end.
-            self._record(request)
+            predicted = self._record(request)
         router = request.reply_to
         first = True
         chunks = self.engine.generate(request)
@@ -86,6 +89,9 @@ class LLMServer:
                 if first:
                     first = False
                     chunk.replica = self.replica_id
+                    if predicted is not None and chunk.timing is not None:
+                        self.record_error.add(predicted, chunk.timing.get(CACHED_TOKENS),
+                                              chunk.prompt_tokens)
                     yield chunk.to_wire()
                 elif router is not None:
                     self.channels.push(router, request.request_id, chunk.to_wire())
@@ -139,13 +145,24 @@ class LLMServer:
         return dataclasses.replace(self.load(), router_demand=self.reports.demand(),
                                    prefix_report=report)
 
-    def _record(self, request: GenerationRequest) -> None:
-        """Count ``request``'s block hashes as cached (its prompt is going into the engine).
-        The record holds the engine's KV cache in blocks of the request's size."""
+    def _record(self, request: GenerationRequest) -> int:
+        """Count ``request``'s block hashes as cached (its prompt is going into the engine);
+        returns the prompt tokens the record held already (its leading blocks found, the
+        session's hash aside): the prediction :class:`RecordError` checks. The record holds
+        the engine's KV cache in blocks of the request's size."""
+        size = max(1, request.prefix_block_tokens)
         if self.served is None:
-            size = max(1, request.prefix_block_tokens)
             self.served = ServedBlocks(max(1, _kv_cache_tokens(self.engine) // size))
-        self.served.record(request.prefix_hashes or ())
+        hashes = request.prefix_hashes or ()
+        blocks = hashes[1:] if request.session else hashes
+        held = next((i for i, h in enumerate(blocks) if h not in self.served), len(blocks))
+        self.served.record(hashes)
+        return held * size
+
+    async def prefix_record_stats(self) -> dict[str, float]:
+        """How well this replica's record of served blocks predicted its engine's prefix-cache
+        hits, since the replica started (:class:`RecordError`); for bench/gpu_prefix_affinity.sh."""
+        return self.record_error.as_dict()
 
     def load(self) -> EngineLoad:
         """The engine's load with this replica's own fields filled in."""
@@ -243,6 +260,34 @@ def _replica_id() -> str:
 # (ServedBlocks.report): the changes since the state it says it holds (a change count within
 # the record's epoch), or the whole record when it holds none or is further behind than the
 # change log keeps; every router's index (serve_app/routing/prefix_index.py) converges on it.
+
+@dataclasses.dataclass
+class RecordError:
+    """The LRU approximation's error, over the requests whose engine reports its cached prompt
+    tokens (vLLM): the tokens the record predicted cached when the request came (its leading
+    blocks held, in the router's blocks) against the engine's count on the first chunk."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    predicted_tokens: int = 0
+    cached_tokens: int = 0
+    abs_error_tokens: int = 0
+    over_tokens: int = 0  # predicted but not cached (evicted, or not yet prefilled)
+
+    def add(self, predicted: int, cached: float | None, prompt_tokens: int) -> None:
+        if cached is None:
+            return
+        predicted = min(predicted, prompt_tokens)
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.predicted_tokens += predicted
+        self.cached_tokens += int(cached)
+        self.abs_error_tokens += abs(predicted - int(cached))
+        self.over_tokens += max(0, predicted - int(cached))
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in dataclasses.asdict(self).items()}
+
 
 # Changes kept for routers that are behind, as a multiple of the capacity; a router further
 # behind gets the whole record.

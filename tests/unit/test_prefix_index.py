@@ -320,3 +320,27 @@ def test_a_turn_stays_with_its_history_while_its_replica_still_counts_the_last_t
     # Two more than the least-loaded: the history is not worth the queue.
     turn3 = _req(messages=_session(3)[2])
     assert _serve(policy, index, records, turn3, {home: 2, other: 0})[0] == other
+
+
+def test_the_replica_predicts_its_cached_prefix_and_counts_the_error():
+    """LLMServer._record returns the prompt tokens its record held already (leading blocks, the
+    session hash aside); RecordError compares that with the engine's cached tokens."""
+    from types import SimpleNamespace
+
+    from serve_app.engine.server import LLMServer, RecordError
+
+    server = SimpleNamespace(served=None, engine=object())  # only the record is used
+    policy = _policy(PrefixIndex())
+    first = _req(session="k", prompt="a" * 40)  # 5 blocks of 8 characters
+    policy.key(first)
+    assert LLMServer._record(server, first) == 0  # type: ignore[arg-type]
+    again = _req(session="k", prompt="a" * 40 + "b" * 16)
+    policy.key(again)
+    assert LLMServer._record(server, again) == 5 * HASHER.block_tokens  # type: ignore[arg-type]
+    err = RecordError()
+    err.add(20, 16.0, 30)
+    err.add(50, None, 60)  # an engine that does not say: not counted
+    err.add(10, 14.0, 8)  # the prediction is capped at the prompt
+    assert err.as_dict() == {"requests": 2.0, "prompt_tokens": 38.0, "predicted_tokens": 28.0,
+                             "cached_tokens": 30.0, "abs_error_tokens": 10.0,
+                             "over_tokens": 4.0}
