@@ -344,3 +344,33 @@ def test_the_replica_predicts_its_cached_prefix_and_counts_the_error():
     assert err.as_dict() == {"requests": 2.0, "prompt_tokens": 38.0, "predicted_tokens": 28.0,
                              "cached_tokens": 30.0, "abs_error_tokens": 10.0,
                              "over_tokens": 4.0}
+
+
+def test_the_request_router_uses_the_models_index_and_counts_what_it_sent():
+    """Through Serve's request router: prefix_cache reads the index of the router's model (the
+    one its engine feed writes), writes the hashes into the request, and Serve's
+    on_request_routed counts each request in its replica's load until the next view."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serve_app.routing.pinned import TARGET_KWARG, PinnedOrPolicyRouter
+    from serve_app.routing.prefix_index import index_for
+
+    router = PinnedOrPolicyRouter.__new__(PinnedOrPolicyRouter)
+    router.initialize_state(policy="prefix_cache", model="unit-model", block_tokens=4,
+                            chars_per_token=2)
+    router.decisions = SimpleNamespace(record=lambda reason: None)
+    index, records = index_for("unit-model"), {"a": ServedBlocks(100), "b": ServedBlocks(100)}
+    request = _req(prompt="a prompt that b has cached already")
+    records["b"].record(HASHER.of(request).blocks)
+    _feed(index, records)
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in "ab"]
+    pending = SimpleNamespace(args=[request], kwargs={},
+                              routing_context=SimpleNamespace(should_backoff=False))
+    ranked = asyncio.run(router.choose_replicas(replicas, pending))
+    assert [r[0].replica_id.unique_id for r in ranked] == ["b", "a"]
+    assert request.prefix_hashes == HASHER.of(request).blocks
+    router.on_request_routed(pending, replicas[1].replica_id, None)
+    router.on_request_routed(SimpleNamespace(args=[], kwargs={TARGET_KWARG: "a"}),
+                             replicas[0].replica_id, None)  # a pinned call: not a request
+    assert (index.load("b"), index.load("a")) == (1, 0)
