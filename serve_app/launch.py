@@ -43,6 +43,7 @@ def start_stack(config: AppConfig, address: str | None = None,
     from ray import serve
 
     from serve_app.app import build_app, ray_env
+    from serve_app.observability import tracing
 
     # Serve reads these when it is imported by Ray's processes, so they go in before Ray starts.
     env = ray_env(config)
@@ -75,7 +76,9 @@ def start_stack(config: AppConfig, address: str | None = None,
     ray.init(address=address or "local", **ray_init)
     serve.start(**serve_start_options(config))
     _record(config, "start")
-    app = build_app(config) if engine_class is None else build_app(config, engine_class)
+    # The OTEL_* variables and router.tracing reach every engine replica (runtime_env).
+    replicas = tracing.with_replica_env(config)
+    app = build_app(replicas) if engine_class is None else build_app(replicas, engine_class)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     return base_url(config)
 
@@ -194,6 +197,7 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
 
     from serve_app.app import build_app
     from serve_app.governance.live_config import read_config
+    from serve_app.observability import tracing
 
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=False)  # the replicas' logs are not ours to print
@@ -209,7 +213,8 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
         # (serve.run alone would start it on 127.0.0.1, out of reach of the cluster's clients).
         serve.start(**serve_start_options(config))
     version = _record(config, "redeploy")
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_app(tracing.with_replica_env(config)), name=APP_NAME, route_prefix="/",
+              blocking=False)
     return DeployResult("redeployed", version)
 
 

@@ -28,6 +28,7 @@ from serve_app.config.base import (
     VLLM_DEFAULT_MAX_NUM_SEQS,
 )
 from serve_app.config.governance import GovernanceSettings, UsageSettings
+from serve_app.config.observability import TracingSettings
 from serve_app.config.model import AutoscalingSettings, ModelSettings
 from serve_app.config.router import AdmissionSettings, RouterSettings
 
@@ -35,5 +36,6 @@ __all__ = ["APP_NAME", "DEFAULT_CONFIG", "DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_MOD
            "DEFAULT_STALL_TIMEOUT_S", "LOOPBACK_HOSTS", "TENANTS_FILE_ENV",
            "VLLM_DEFAULT_MAX_NUM_SEQS", "AdmissionSettings", "AppConfig", "AutoscalingSettings",
            "ConfigError", "GovernanceSettings", "ModelSettings", "Priority", "RouterSettings",
-           "TenantSettings", "TokenBudget", "UsageSettings", "load_config", "parse_config",
+           "TenantSettings", "TokenBudget", "TracingSettings", "UsageSettings", "load_config",
+           "parse_config",
            "tenants_from_file"]

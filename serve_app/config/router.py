@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from serve_app.config.base import _Strict
+from serve_app.config.observability import TracingSettings
 
 
 class AdmissionSettings(_Strict):
@@ -124,6 +125,11 @@ class RouterSettings(_Strict):
         "request's router queue wait, the hop to its replica and the engine's phases up to "
         "its first token, in ms (see serve_app/engine/timing.py). Off by default: the engine "
         "queue times it shows reflect other tenants' load.",
+    )
+    tracing: TracingSettings = Field(
+        default_factory=TracingSettings, description="OpenTelemetry traces of each request, "
+        "the router's spans and the engine replicas' (off unless enabled here or by "
+        "`OTEL_EXPORTER_OTLP_ENDPOINT`): docs/operations.md#traces.",
     )
     proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
         "EveryNode", description="Where Serve runs its HTTP ingress (HAProxy): on every node "

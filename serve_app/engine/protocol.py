@@ -94,6 +94,9 @@ class GenerationRequest:
     # records them as cached (serve_app/engine/server.py, ServedBlocks).
     prefix_hashes: tuple[int, ...] | None = None
     prefix_block_tokens: int = 0
+    # The W3C trace context (``traceparent``, ``tracestate``) of the router's dispatch span when
+    # tracing is on (serve_app/observability/tracing.py); the replica passes it on to vLLM.
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from serve_app.engine.protocol import (
 )
 from serve_app.engine.router_reports import RouterReports
 from serve_app.engine.timing import CACHED_TOKENS
+from serve_app.observability import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class LLMServer:
         # the first request that carries block hashes (:meth:`_record`).
         self.served: ServedBlocks | None = None
         self.record_error = RecordError()
+        tracing.configure(tracing.settings_from_env(), "engine")  # off: nothing is set up
         await self.engine.start()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[WireChunk]:
@@ -81,6 +83,7 @@ class LLMServer:
             predicted = self._record(request)
         router = request.reply_to
         first = True
+        span = tracing.engine_span(request)  # None while tracing is off
         chunks = self.engine.generate(request)
         try:
             if router is not None:
@@ -89,6 +92,7 @@ class LLMServer:
                 if first:
                     first = False
                     chunk.replica = self.replica_id
+                    tracing.engine_first(span, chunk)
                     if predicted is not None and chunk.timing is not None:
                         self.record_error.add(predicted, chunk.timing.get(CACHED_TOKENS),
                                               chunk.prompt_tokens)
@@ -99,6 +103,7 @@ class LLMServer:
                     yield chunk.to_wire()
         finally:
             self.active -= 1
+            tracing.engine_end(span, first)
             if router is not None:
                 self.channels.end(router)
             aclose = getattr(chunks, "aclose", None)

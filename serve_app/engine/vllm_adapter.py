@@ -269,7 +269,8 @@ class VLLMEngine:
         submitted = time.monotonic()
         self._stats.watch.submitted(submitted, engine_idle=not self.unfinished_requests())
         stream = self._engine.generate(prompt, params, request.request_id,
-                                       priority=request.priority if self._priority else 0)
+                                       priority=request.priority if self._priority else 0,
+                                       trace_headers=request.trace_context)
         first = True
         try:
             async for out in stream:

@@ -78,6 +78,7 @@ from serve_app.ingress.streaming import GuardedStreamingResponse
 from serve_app.governance.tenants import TenantGate
 from serve_app.governance.usage import UsageLog
 from serve_app.governance.keys import Tenant
+from serve_app.observability import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class RequestPipeline:
         # Streams whose client stopped reading are cut (serve_app/ingress/stall.py).
         self.stall_watch = StallWatch(settings.stream_stall_timeout_s)
         self._started = False
+        tracing.configure(settings.tracing, "router")  # off: nothing is set up
 
     @property
     def gate(self) -> TenantGate:
@@ -136,7 +138,9 @@ class RequestPipeline:
         here, a stream when its response ends."""
         progress = Progress(time.monotonic())
         self._start_feeds()
-        tenant = await self.tenants.authenticate(http_request.headers.get("authorization"))
+        rt = tracing.start_request(http_request.headers)  # tracing.NO_TRACE while off
+        tenant = await rt.authenticate(
+            self.tenants.authenticate(http_request.headers.get("authorization")))
         label, status, builder, streaming = "", 500, None, False
         slot, charge = Slot(), None
         try:
@@ -145,6 +149,7 @@ class RequestPipeline:
             label = req.model if req.model in self.streams else "unknown"
             builder = ResponseBuilder(kind, f"{id_prefix}{uuid.uuid4().hex}", req.model, req.n)
             progress.stream = req.stream
+            rt.request(tenant, label, builder.request_id)
             charge = Charge(self.gate, tenant, estimate_prompt_tokens(req), completion_limit(
                 req, self.settings.budget_reserve_max_tokens))
             response = await self._serve(http_request, req, builder, tenant, slot, charge,
@@ -153,6 +158,7 @@ class RequestPipeline:
             return response
         except OpenAIError as err:
             status = err.status_code
+            rt.error(err)
             # Every authenticated answer carries the tenant's rate-limit state, errors too (a
             # 429's remaining figures are what tells a client how long to back off).
             err.headers = {**self.gate.ratelimit_headers(tenant), **(err.headers or {})}
@@ -162,7 +168,7 @@ class RequestPipeline:
             raise
         finally:
             if not streaming:
-                self._finish(tenant, label, status, builder, slot, charge, progress)
+                self._finish(tenant, label, status, builder, slot, charge, progress, rt)
 
     def _start_feeds(self) -> None:
         """On the first request: publish the queue gauges and start the engine feeds. Gauges
@@ -190,7 +196,7 @@ class RequestPipeline:
 
     def _finish(self, tenant: Tenant, label: str, status: int,
                 builder: ResponseBuilder | None, slot: Slot, charge: Charge | None,
-                progress: Progress) -> None:
+                progress: Progress, rt: tracing.RequestTrace | None = None) -> None:
         """Settle an ended request's charge, count it, free its admission place (charging the
         fair queue the service the flow did not), and write its usage record."""
         counts = (builder.prompt_tokens, builder.completion_tokens) if builder is not None \
@@ -199,6 +205,7 @@ class RequestPipeline:
             else charge.settle(status, *counts)
         self.gate.finish(tenant, label, status, prompt, completion)
         slot.release(service)
+        (rt or tracing.NO_TRACE).finish(status, prompt, completion, progress.cached_tokens)
         record_usage(self.usage, tenant, label, status, builder, prompt, completion, progress,
                      charge is not None and charge.estimated)
 
@@ -208,7 +215,7 @@ class RequestPipeline:
         handle = self.model_handle(req.model, tenant)
         if self.budgets is not None:  # a replica that just started reads the spend first
             await self.budgets.ready(tenant.name)
-        await charge.reserve()  # quota
+        await tracing.current().phase("quota", charge.reserve())
         # From here until the response starts, watch the client: one that leaves while its
         # request is queued or in prefill frees its place and the engine at once.
         gone = asyncio.ensure_future(disconnected(http_request.receive))
@@ -249,8 +256,9 @@ class RequestPipeline:
         channels when ``router.output_channels`` is on: the ticket says where."""
         controller = self.admission[req.model]
         try:
-            await slot.acquire(controller, tenant.name, tenant.priority, req.n,
-                               charge.expected_service)
+            await tracing.current().phase("queue", slot.acquire(
+                controller, tenant.name, tenant.priority, req.n, charge.expected_service),
+                band=tenant.priority)
         except QueueFull as full:
             charge.refund()  # refused: the request costs no quota
             raise OpenAIError(429, f"{req.model} {full}", code="queue_full",
@@ -266,6 +274,7 @@ class RequestPipeline:
         generation.cache_salt = tenant.cache_salt  # from the tenant, never from the client
         generation.priority = slot.priority
         generation.stream = req.stream
+        generation.trace_context = tracing.current().dispatch()
         channels = self.channels.get(req.model) if req.stream else None
         ticket = None
         if channels is not None:
@@ -287,6 +296,7 @@ class RequestPipeline:
             slot.assign(first.replica)  # from now on it counts only while its replica is live
             charge.flow(first.prompt_tokens, sum(d.num_tokens for d in first.deltas))
             progress.first_chunk = time.monotonic()
+            tracing.current().first_chunk(first)
             if first.timing and CACHED_TOKENS in first.timing:
                 progress.cached_tokens = int(first.timing[CACHED_TOKENS])
             if self.settings.server_timing:  # the router's phases beside the replica's
@@ -303,7 +313,7 @@ class RequestPipeline:
                 first: GenerationChunk, ticket: ChannelTicket | None, builder: ResponseBuilder,
                 tenant: Tenant, slot: Slot, charge: Charge, gone: asyncio.Future[None],
                 headers: dict[str, str], progress: Progress) -> StreamingResponse:
-        ended = False
+        ended, rt = False, tracing.current()
 
         def end(status: int) -> None:
             """Once per stream, however it ends: stop the engine work, account it."""
@@ -316,7 +326,7 @@ class RequestPipeline:
                     gen.cancel()
                 if ticket is not None:
                     self.channels[req.model].release(ticket)
-                self._finish(tenant, req.model, status, builder, slot, charge, progress)
+                self._finish(tenant, req.model, status, builder, slot, charge, progress, rt)
 
         return GuardedStreamingResponse(
             self._sse(gen, first, ticket, self.channels.get(req.model), builder,
