@@ -182,6 +182,7 @@ def _two_router_shares(base_one: str, base_two: str, keys: dict[str, str]
     return shares, tokens
 
 
+@pytest.mark.long  # about 45 s with its two routers' start: `make test-long`
 @pytest.mark.parametrize("shared", [True, pytest.param(False, marks=pytest.mark.skipif(
     not os.environ.get(AB_ENV), reason=f"the A/B's other arm: set {AB_ENV}=1"))],
     ids=["shared", "each-router-alone"])

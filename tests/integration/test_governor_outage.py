@@ -31,7 +31,8 @@ from .conftest import wait_until
 from .test_cluster_quota import checkpointed_rpm, quota_actor_id, start_two_router_app
 from .test_governance import SD_FILE
 
-pytestmark = pytest.mark.integration
+# The long tier (`make test-long`, run by CI after `make test`): about 60 s with their app.
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 APP = "gov-outage"
 PREFIX = "/gov-outage"

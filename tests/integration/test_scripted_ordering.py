@@ -66,18 +66,24 @@ async def _complete(client: httpx.AsyncClient, s, tenant: str, ids: list, stream
         ids.append((tenant, r.headers["x-request-id"].split(",")[0].strip()))
 
 
+# team-c's late requests: more than the places that flood requests ending in the engine's last
+# step before the hold can free. The fair queue gives a newly backlogged tenant the next place,
+# so with three a full run once saw all of team-c's let in and none waiting to be overtaken.
+C_LATE = 6
+
+
 def test_high_priority_starts_before_every_waiting_normal_request(scripted):
-    """team-a floods; then team-c (normal) sends three requests and team-b (high) three, in that
+    """team-a floods; then team-c (normal) sends six requests and team-b (high) three, in that
     order. The engine starts all of team-b's before team-c's waiting ones (team-c's first goes
     in at once: a tenant with nothing in flight), and before the flood's backlog. Which of
     team-c's wait is read from the router once they have arrived (a full-suite run saw
     team-c's second let into the engine's queue before team-b's came).
     Checked against a build without bands (team-b made normal): team-c's second request then
     started before team-b's second, and this test failed.
-    Regression (flaky_arrival_race): the six used to be sent between two freed places, a
+    Regression (flaky_arrival_race): the late ones used to be sent between two freed places, a
     second apart; on a loaded machine team-b's third once reached the router after team-c's
     second had taken a place (arrival order, not the bands). Now the engine's step loop is held
-    while they arrive, so no place frees until all six wait in the router."""
+    while they arrive, so no place frees until all of them wait in the router."""
     s = scripted
     samples: list[dict] = []
     stop = threading.Event()
@@ -102,7 +108,7 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
             await asyncio.to_thread(
                 wait_until, lambda: (x := s["state"]())["queued"] >= 3 * BATCH and x, 60)
             # Every flood request has reached the router (or been answered), so that once the
-            # engine is held the router's count moves only by the six late arrivals.
+            # engine is held the router's count moves only by the late arrivals.
             await asyncio.to_thread(
                 wait_until, lambda: held_total() + sum(t.done() for t in flood) >= 6 * BATCH, 60)
             await asyncio.to_thread(s["hold"], True)
@@ -110,13 +116,13 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
                 before = await asyncio.to_thread(held_total)
                 engine_waiting = (await asyncio.to_thread(s["state"]))["engine_waiting"]
                 late = []
-                for tenant in ["team-c"] * 3:
+                for tenant in ["team-c"] * C_LATE:
                     late.append(asyncio.create_task(_complete(client, s, tenant, ids)))
                     await asyncio.sleep(0.001)  # keeps the arrival order
-                await asyncio.to_thread(wait_until, lambda: held_total() == before + 3, 60,
+                await asyncio.to_thread(wait_until, lambda: held_total() == before + C_LATE, 60,
                                         0.02)
                 # team-c's requests that wait in the router when team-b's arrive (its first
-                # goes in at once): the three are held by the router, admitted or queued; read
+                # goes in at once): all of them are held by the router, admitted or queued; read
                 # once the engine feed has seen the admitted ones in the engine's queue (a poll
                 # after them, which is when the router could have let in another).
                 def c_seen() -> tuple[int] | None:
@@ -124,12 +130,12 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
                     out = x["in_flight_by_tenant"].get("team-c", 0)
                     return (out,) if x["engine_waiting"] >= engine_waiting + out else None
 
-                c_waiting = 3 - (await asyncio.to_thread(wait_until, c_seen, 60, 0.02))[0]
+                c_waiting = C_LATE - (await asyncio.to_thread(wait_until, c_seen, 60, 0.02))[0]
                 for tenant in ["team-b"] * 3:
                     late.append(asyncio.create_task(_complete(client, s, tenant, ids)))
                     await asyncio.sleep(0.001)
-                await asyncio.to_thread(wait_until, lambda: held_total() == before + 6, 60,
-                                        0.02)
+                await asyncio.to_thread(wait_until,
+                                        lambda: held_total() == before + C_LATE + 3, 60, 0.02)
                 mark = len(await asyncio.to_thread(s["started"]))
             finally:  # a held engine would stall the module's later tests
                 await asyncio.to_thread(s["hold"], False)
@@ -152,8 +158,8 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
     # team-b's. Those the router had let into the engine's queue before (its first, and on a
     # loaded machine once a second, when the engine's load report lagged) are not waiting.
     assert c_waiting >= 1, "team-c's later requests did not wait: nothing to overtake"
-    first_waiting = 3 - c_waiting
-    assert len(c_positions) == 3 and b_last < c_positions[first_waiting], (after, c_waiting)
+    first_waiting = C_LATE - c_waiting
+    assert len(c_positions) == C_LATE and b_last < c_positions[first_waiting], (after, c_waiting)
     # The flood's backlog waits for team-b too; only what the engine already held (its queue of
     # HEADROOM) or had in transit may start in between.
     flood_between = sum(1 for t in after[:b_last] if t == "team-a")
