@@ -7,7 +7,9 @@ and checkpoints its buckets (see :mod:`serve_app.governance.quota_state`).
 
 **Router replicas** (:class:`ClusterQuota`) take request tokens in leases: one call takes about a
 second's worth of the tenant's rate divided among the routers (at least one), and requests
-are then admitted from the lease locally. Unused leases go back after ``LEASE_TTL_S``. Token
+are then admitted from the lease locally. Unused leases go back after ``LEASE_TTL_S``, except a
+lease that is a whole ``LEASE_WINDOW_S`` of the tenant's rate (not raised to one request): that
+one stays until used, so a tenant's first request after an idle spell makes no call. Token
 usage (charged when requests end) is reported in batches every ``FLUSH_S``, and each answer
 carries the tenant's token level, which admission checks locally, less what this replica
 charged since. A replica that restarts starts with no lease: the actor's buckets are where they
@@ -15,7 +17,12 @@ were, so a restart does not refill anyone.
 
 **Error bound** with N router replicas: requests never pass the limit (a lease is taken out of
 the bucket before it is used; an unused lease is capacity held back for at most
-``LEASE_TTL_S``, and lost with a replica that dies holding it). Tokens can pass the limit by
+``LEASE_TTL_S``, and lost with a replica that dies holding it), except by the idle leases kept:
+at most ``LEASE_WINDOW_S`` of the tenant's rate over all the replicas (1/60 of its
+requests per minute), held back while idle and spent on top of a full bucket after the idle
+spell. That is the price of no call on an idle tenant's next request: giving every lease back
+after 2 s made such a request wait for one (the c=1 TTFT of a governed stack on one H200,
+bench/RESULTS.md 37k). Tokens can pass the limit by
 what the tenant has in flight plus what the other replicas charged within the last
 ``FLUSH_S`` (each replica sees its own charges at once), as with one replica plus that window.
 
@@ -176,7 +183,8 @@ class ClusterQuota:
             if lease.unflushed:
                 charges[tenant], lease.unflushed = lease.unflushed, 0
                 lease.sending += charges[tenant]
-            if lease.requests and now - lease.granted_at > LEASE_TTL_S:
+            if (lease.requests and now - lease.granted_at > LEASE_TTL_S
+                    and not self._kept_idle(tenant)):
                 returns[tenant], lease.requests = lease.requests, 0
         return charges, returns
 
@@ -295,6 +303,15 @@ class ClusterQuota:
             level = self._level(lease.tpm, lease.seen)
             return level is not None and level - lease.unflushed - lease.sending > 0
         return True
+
+    def _kept_idle(self, tenant: str) -> bool:
+        """Whether ``tenant``'s unused lease stays past ``LEASE_TTL_S``: when a lease is a
+        whole ``LEASE_WINDOW_S`` of its rate among the routers (see the module docstring's
+        error bound), not one request raised from less (a tenant of 6 requests a minute: one
+        held idle would be a sixth of its limit)."""
+        limits = self._limited(tenant)
+        return bool(limits is not None and limits.requests_per_minute
+                    and limits.requests_per_minute / 60 * LEASE_WINDOW_S / self.routers >= 1)
 
     def _batch(self, limits: TenantSettings) -> int:
         """Requests one lease takes: about LEASE_WINDOW_S of the tenant's rate among the

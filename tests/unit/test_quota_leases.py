@@ -84,3 +84,45 @@ def test_a_lease_at_ten_million_rpm_is_a_few_steps_regression_lease_counted_one_
     answer = state.lease("busy", 10**7 // 60, {}, {})
     assert answer["granted"] == 10**7 // 60
     assert calls <= 2
+
+
+def _idle_router(monkeypatch, rpm: int):
+    """One of two routers with ``rpm``'s lease taken by one request, then idle past the TTL,
+    its lease flushed as the background flush does; and the fake actor (tests/unit/
+    test_cluster_quota.py) counting calls."""
+    from serve_app.governance import cluster_quota
+
+    from .test_cluster_quota import FakeActor, _routers, _tenant
+
+    store: dict = {}
+    monkeypatch.setattr(quota_state.serve_private, "kv_put", store.__setitem__)
+    monkeypatch.setattr(quota_state.serve_private, "kv_get", store.get)
+    monkeypatch.setattr(quota_state.live_config, "read_tenants", lambda app: None)
+    monkeypatch.setattr(cluster_quota, "LEASE_TTL_S", 0.0)  # every lease is past its TTL
+    tenants = [_tenant(requests_per_minute=rpm)]
+    actor = FakeActor(quota_state.QuotaState("llm", [t.model_dump(mode="json") for t in tenants]))
+    router, _ = _routers(tenants, 2, actor)
+    return router, actor
+
+
+@pytest.mark.parametrize("rpm, calls_after_idle", [(6000, 0), (6, 1)])
+def test_an_idle_tenants_next_request_makes_no_call_regression_lease_given_back_after_2s(
+        monkeypatch, rpm, calls_after_idle):
+    """6,000 a minute over two routers: a lease is 50 requests, a whole second of the rate;
+    kept while idle, the next request is admitted from it without a call (every lease went
+    back after 2 s, and the next request waited for a new one: bench/RESULTS.md 37k). 6 a
+    minute: a lease is one request raised from a tenth, a sixth of the limit; it goes back."""
+    import asyncio
+
+    router, actor = _idle_router(monkeypatch, rpm)
+
+    async def main() -> int:
+        assert (await router.admit("a")).admitted
+        charges, returns = router._take_unreported()  # the flush after the TTL
+        if charges or returns:
+            await router._link.call("report", charges, returns, ["a"])
+        before = actor.calls
+        assert (await router.admit("a")).admitted
+        return actor.calls - before
+
+    assert asyncio.run(main()) == calls_after_idle
