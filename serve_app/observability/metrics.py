@@ -88,9 +88,12 @@ METRICS: dict[str, Metric] = {
                "Demand one replica of a model is sized for (autoscaling.target_per_replica)."),
         Metric("ray_serve_app_routing_decisions_total", "counter", "router",
                "Engine replica choices of the routers' requests, by model and reason: affinity "
-               "(the replica its tenant and prefix hash to), load_fallback (that replica was "
-               "past its load bound: routing.load_factor x the mean load and "
-               "routing.imbalance_margin over the least-loaded), cold "
+               "(prefix_affinity: the replica its tenant and prefix hash to; prefix_cache: the "
+               "replica holding its longest cached prefix or its session), load_fallback (that "
+               "replica was past its load bound: routing.load_factor x the mean load and "
+               "routing.imbalance_margin over the least-loaded; prefix_cache: or its load "
+               "outweighed the prefill it saves), spread (prefix_cache: no replica holds any "
+               "of its blocks: the least-loaded), cold "
                "(prompt under one key block: spread by power of two), power_of_two (the "
                "power_of_two policy). Counted per routing attempt: a request Serve routes "
                "again because every replica refused it counts again."),
