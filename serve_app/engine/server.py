@@ -213,20 +213,11 @@ class LLMServer:
 
 
 def _kv_cache_tokens(engine: Any) -> int:
-    """Tokens the engine's KV cache holds: the engine's ``kv_cache_tokens`` where it has one,
-    else vLLM's cache config (its own capacity figure, else blocks x block size), else
-    :data:`DEFAULT_CACHE_TOKENS`."""
+    """Tokens the engine's KV cache holds: its ``kv_cache_tokens`` (the vLLM adapter reads
+    vLLM's cache config; the scripted engine has none), else :data:`DEFAULT_CACHE_TOKENS`."""
     tokens = getattr(engine, "kv_cache_tokens", None)
     if isinstance(tokens, int) and tokens > 0:
         return tokens
-    try:
-        cache = engine._engine.vllm_config.cache_config
-        tokens = getattr(cache, "kv_cache_size_tokens", None) or (
-            int(cache.num_gpu_blocks) * int(cache.block_size))
-        if tokens and int(tokens) > 0:
-            return int(tokens)
-    except (AttributeError, TypeError, ValueError):
-        pass
     return DEFAULT_CACHE_TOKENS
 
 

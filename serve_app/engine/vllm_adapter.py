@@ -126,6 +126,18 @@ class VLLMEngine:
                           max_running=self._max_running, step_tokens=self._step_tokens,
                           prefill_tokens_avg=self._prefill_tokens_avg)
 
+    @property
+    def kv_cache_tokens(self) -> int | None:
+        """Tokens the KV cache holds (vLLM's own capacity figure, else blocks x block size);
+        None before the engine starts or where the build says neither."""
+        try:
+            cache = self._engine.vllm_config.cache_config
+            tokens = getattr(cache, "kv_cache_size_tokens", None) or (
+                int(cache.num_gpu_blocks) * int(cache.block_size))
+        except (AttributeError, TypeError, ValueError):
+            return None
+        return int(tokens) if tokens and int(tokens) > 0 else None
+
     def unfinished_requests(self) -> int:
         """Requests the engine front end still tracks (drops to 0 once aborts are processed)."""
         return int(self._engine.output_processor.get_num_unfinished_requests())

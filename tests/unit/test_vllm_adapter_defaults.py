@@ -123,3 +123,21 @@ def test_the_stat_logger_copies_the_scheduler_counts_each_step():
     assert (counts.running, counts.waiting, counts.kv_cache_usage) == (1, 0, 0.25)
     step_logger.record(None, None)  # a step without scheduler stats changes nothing
     assert counts.running == 1
+
+
+def test_kv_cache_tokens_reads_vllms_cache_config():
+    """The prefix_cache record is sized from the adapter's ``kv_cache_tokens`` (the one place
+    that reads vLLM's config): its capacity figure, else blocks x block size; None before the
+    engine starts."""
+    from types import SimpleNamespace
+
+    from serve_app.config import ModelSettings
+    from serve_app.engine.vllm_adapter import VLLMEngine
+
+    engine = VLLMEngine(ModelSettings(name="m", path="/nonexistent", device="cpu"))
+    assert engine.kv_cache_tokens is None
+    cache = SimpleNamespace(num_gpu_blocks=1000, block_size=16)
+    engine._engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache))
+    assert engine.kv_cache_tokens == 16_000
+    cache.kv_cache_size_tokens = 15_872
+    assert engine.kv_cache_tokens == 15_872
