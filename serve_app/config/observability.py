@@ -23,9 +23,10 @@ class TracingSettings(_Strict):
         "(`/v1/traces` is added unless given). Unset: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, "
         "else `OTEL_EXPORTER_OTLP_ENDPOINT`, else the OTLP default (localhost:4318). Setting "
         "it turns tracing on unless `enabled: false`.")
-    sample_ratio: float = Field(
-        1.0, ge=0.0, le=1.0, description="Share of new traces kept (parent-based: a request "
-        "whose client sent a sampled `traceparent` is always traced, an unsampled one never).")
+    sample_ratio: float | None = Field(
+        None, ge=0.0, le=1.0, description="Share of new traces kept (parent-based: a request "
+        "whose client sent a sampled `traceparent` is always traced, an unsampled one never). "
+        "Unset: `OTEL_TRACES_SAMPLER_ARG`, else 1.")
     service_name: str = Field(
         "serve-app", description="The spans' `service.name` (the router's and the engines' "
         "spans tell themselves apart by `serve_app.component`).")

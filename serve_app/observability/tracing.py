@@ -71,7 +71,7 @@ def configure(settings: TracingSettings | None, component: str,
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     provider = TracerProvider(
-        sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
+        sampler=ParentBased(TraceIdRatioBased(sample_ratio(settings, env))),
         resource=Resource.create({"service.name": settings.service_name,
                                   "serve_app.component": component}))
     if exporter is not None:
@@ -85,16 +85,22 @@ def configure(settings: TracingSettings | None, component: str,
     return True
 
 
+def sample_ratio(settings: TracingSettings, env: Mapping[str, str]) -> float:
+    """The share of new traces kept: the config's, else ``OTEL_TRACES_SAMPLER_ARG``, else 1."""
+    if settings.sample_ratio is not None:
+        return settings.sample_ratio
+    try:
+        return min(1.0, max(0.0, float(env.get("OTEL_TRACES_SAMPLER_ARG", "1"))))
+    except ValueError:
+        return 1.0
+
+
 def settings_from_env(env: Mapping[str, str] | None = None) -> TracingSettings:
     """An engine replica's tracing settings, from the environment :func:`replica_env` gave it
     (or the operator's ``OTEL_*`` variables)."""
     env = os.environ if env is None else env
     flag = env.get(ENABLED_ENV)
-    try:
-        ratio = min(1.0, max(0.0, float(env.get("OTEL_TRACES_SAMPLER_ARG", "1"))))
-    except ValueError:
-        ratio = 1.0
-    return TracingSettings(enabled=None if flag is None else flag == "1", sample_ratio=ratio,
+    return TracingSettings(enabled=None if flag is None else flag == "1",
                            service_name=env.get("OTEL_SERVICE_NAME", "serve-app"))
 
 
@@ -109,7 +115,7 @@ def replica_env(settings: TracingSettings, env: Mapping[str, str] | None = None
     if settings.endpoint:
         out["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = traces_url(settings.endpoint)
     if settings.active(dict(env)):
-        out["OTEL_TRACES_SAMPLER_ARG"] = repr(settings.sample_ratio)
+        out["OTEL_TRACES_SAMPLER_ARG"] = repr(sample_ratio(settings, env))
         out["OTEL_SERVICE_NAME"] = settings.service_name
     return out
 

@@ -199,7 +199,9 @@ def test_replica_env_carries_the_config():
                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces",
                    "OTEL_TRACES_SAMPLER_ARG": "0.1", "OTEL_SERVICE_NAME": "serve-app"}
     settings = tracing.settings_from_env(env)
-    assert settings.active(env) and settings.sample_ratio == 0.1
+    assert settings.active(env) and tracing.sample_ratio(settings, env) == 0.1
+    assert tracing.sample_ratio(TracingSettings(), {}) == 1.0
+    assert tracing.sample_ratio(TracingSettings(), {"OTEL_TRACES_SAMPLER_ARG": "0.25"}) == 0.25
     plain = parse_config({"models": [{"name": "m", "path": "p"}]})
     assert tracing.with_replica_env(plain, env={}) is plain
     off = parse_config({"models": [{"name": "m", "path": "p"}],
