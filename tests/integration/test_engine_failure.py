@@ -56,6 +56,7 @@ def _stream_until_end(client: httpx.Client, body: dict, first_chunk: threading.E
     first_chunk.set()
 
 
+@pytest.mark.long  # 30 s, most of it the replica's restart: `make test-long`
 def test_engine_death_is_a_503_and_the_replica_recovers(stack):
     model = stack["model"]
     cores = _engine_core_processes(model)

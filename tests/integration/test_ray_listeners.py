@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import pytest
 
-pytestmark = pytest.mark.integration
+# The long tier (`make test-long`, which CI runs after `make test`): about 30 s of probes.
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 # Read-only or harmless methods of every gRPC service a Ray 2.60 process serves, called with an
 # empty message. A server answers UNIMPLEMENTED for a method it does not serve before any
