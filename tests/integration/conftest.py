@@ -193,7 +193,6 @@ def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
     """Deploy the suite's router configuration and tenants in front of one scripted-engine
     replica (``batch`` places, a step every ``step_s``) as ``app`` beside the shared stack, wait
     until it lists its model, and return its base URL. The caller deletes it (serve.delete)."""
-    import httpx
     from ray import serve
 
     from serve_app.app import build_app
@@ -207,13 +206,18 @@ def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
                         SCRIPTED_ENGINE_CLASS),
               name=app, route_prefix=prefix, blocking=False)
     base = stack["base"] + prefix
+    wait_until_listed(base, stack["headers"])
+    return base
+
+
+def wait_until_listed(base: str, headers: dict, timeout_s: float = 120) -> None:
+    """Wait until the app at ``base`` answers its model list (its router and model are up)."""
+    import httpx
 
     def ready() -> bool:
         try:
-            return httpx.get(f"{base}/v1/models", headers=stack["headers"],
-                             timeout=5).status_code == 200
+            return httpx.get(f"{base}/v1/models", headers=headers, timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
 
-    wait_until(ready, 120, 0.2)
-    return base
+    wait_until(ready, timeout_s, 0.2)

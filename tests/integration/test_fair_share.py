@@ -67,6 +67,17 @@ async def _keep_streaming(client: httpx.AsyncClient, base: str, key: str, max_to
                     return
 
 
+def _shares(tokens: dict[str, list], first: int, count: int) -> list[float]:
+    """team-a's share of team-a's and team-c's tokens in each of ``count`` windows from
+    ``first``; every window must have some."""
+    shares = []
+    for w in range(first, first + count):
+        total = tokens["team-a"][w] + tokens["team-c"][w]
+        assert total > 0, tokens
+        shares.append(round(tokens["team-a"][w] / total, 3))
+    return shares
+
+
 def test_backlogged_tenants_share_generated_tokens_evenly_regression_fair_share_swings(fair):
     """team-a asks 16-token outputs, team-c 256-token ones, both normal priority, each with 36
     streams open. Over every 5 s window after the ramp-up, each gets 45-55% of the tokens.
@@ -90,11 +101,7 @@ def test_backlogged_tenants_share_generated_tokens_evenly_regression_fair_share_
         return tokens
 
     tokens = asyncio.run(main())
-    shares = []
-    for w in range(RAMP_UP, RAMP_UP + WINDOWS):
-        total = tokens["team-a"][w] + tokens["team-c"][w]
-        assert total > 0, tokens
-        shares.append(round(tokens["team-a"][w] / total, 3))
+    shares = _shares(tokens, RAMP_UP, WINDOWS)
     print(f"\nteam-a's share of each window's tokens (16-token outputs against 256): {shares}; "
           f"tokens per window: {tokens}")
     assert all(0.45 <= s <= 0.55 for s in shares), (shares, tokens)
@@ -174,12 +181,7 @@ def _two_router_shares(base_one: str, base_two: str, keys: dict[str, str]
         return tokens
 
     tokens = asyncio.run(main())
-    shares = []
-    for w in range(TWO_RAMP_UP, windows):
-        total = tokens["team-a"][w] + tokens["team-c"][w]
-        assert total > 0, tokens
-        shares.append(round(tokens["team-a"][w] / total, 3))
-    return shares, tokens
+    return _shares(tokens, TWO_RAMP_UP, TWO_WINDOWS), tokens
 
 
 @pytest.mark.long  # about 45 s with its two routers' start: `make test-long`
@@ -304,11 +306,7 @@ def test_backlogged_tenants_share_the_vllm_cpu_engines_tokens_evenly(stack):
         return tokens
 
     tokens = asyncio.run(main())
-    shares = []
-    for w in range(VLLM_RAMP_UP, VLLM_RAMP_UP + VLLM_WINDOWS):
-        total = tokens["team-a"][w] + tokens["team-c"][w]
-        assert total > 0, tokens
-        shares.append(round(tokens["team-a"][w] / total, 3))
+    shares = _shares(tokens, VLLM_RAMP_UP, VLLM_WINDOWS)
     rounded = {t: [round(n) for n in v] for t, v in tokens.items()}
     print(f"\nvLLM CPU engine: team-a's share of each window's tokens (16-token outputs against "
           f"512): {shares}; tokens per window: {rounded}")

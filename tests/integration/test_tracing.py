@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from .conftest import DEFAULT_TENANT, wait_until
+from .conftest import DEFAULT_TENANT, wait_until, wait_until_listed
 from .ports import free_port
 
 APP, PREFIX, MODEL = "tracing", "/tracing", "traced-model"
@@ -110,15 +110,7 @@ def traced(stack):
     serve.run(build_app(tracing.with_replica_env(cfg, env={}), SCRIPTED_ENGINE_CLASS),
               name=APP, route_prefix=PREFIX, blocking=False)
     base = stack["base"] + PREFIX
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{base}/v1/models", headers=stack["headers"],
-                             timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, 120, 0.2)
+    wait_until_listed(base, stack["headers"])
     try:
         yield receiver, base, key
     finally:
