@@ -1,6 +1,8 @@
 """Print the stack-vs-bare ratios of two `serve-app bench` results (same workload, same GPU).
 
 usage: python bench/compare_arms.py BARE/results.json STACK/results.json [--md OUT.md]
+    [--names A,B]   (the arms' names in the table's header: "bare,stack" unless given, e.g.
+    "off,on" for the traces A/B of bench/gpu_tracing.sh; the ratio is always second / first)
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ def compare(bare: dict, stack: dict) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], title: str) -> str:
+def markdown(rows: list[dict], title: str, names: tuple[str, str] = ("bare", "stack")) -> str:
+    a, b = names
     lines = [f"### {title}", "",
-             "| conc | bare out tok/s | stack out tok/s | ratio | TTFT p50 bare / stack (ms) "
-             "| TTFT p99 bare / stack (ms) | TPOT p50 bare / stack (ms) | TPOT ratio "
-             "| ITL p50 bare / stack (ms) | ITL ratio | failed |",
+             f"| conc | {a} out tok/s | {b} out tok/s | ratio | TTFT p50 {a} / {b} (ms) "
+             f"| TTFT p99 {a} / {b} (ms) | TPOT p50 {a} / {b} (ms) | TPOT ratio "
+             f"| ITL p50 {a} / {b} (ms) | ITL ratio | failed |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(
@@ -77,10 +80,12 @@ def main() -> None:
     p.add_argument("stack")
     p.add_argument("--md", default=None)
     p.add_argument("--title", default="stack vs bare vLLM")
+    p.add_argument("--names", default="bare,stack")
     a = p.parse_args()
     bare, stack = (json.loads(Path(x).read_text()) for x in (a.bare, a.stack))
     rows = compare(bare, stack)
-    text = markdown(rows, a.title) + server_timing(stack)
+    first, second = a.names.split(",")
+    text = markdown(rows, a.title, (first, second)) + server_timing(stack)
     print(text)
     if a.md:
         Path(a.md).write_text(text)

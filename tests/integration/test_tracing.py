@@ -7,79 +7,17 @@ nothing (checked last, behind a sampled request exported after them)."""
 
 from __future__ import annotations
 
-import gzip
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from .conftest import DEFAULT_TENANT, wait_until, wait_until_listed
-from .ports import free_port
+from .otlp_receiver import Receiver
 
 APP, PREFIX, MODEL = "tracing", "/tracing", "traced-model"
 MARKER = "zebra-quartz-prompt-marker"  # prompt text no span may hold
 SENT: set[str] = set()  # trace ids this module sent sampled
-
-
-class Receiver:
-    """An OTLP/HTTP collector: every span it was sent, flattened into dicts."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-                    ExportTraceServiceRequest,
-                    ExportTraceServiceResponse,
-                )
-
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                receiver.add(request)
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def add(self, request) -> None:
-        def value(v):
-            return getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
-
-        spans = []
-        for rs in request.resource_spans:
-            resource = {a.key: value(a.value) for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    spans.append({
-                        "name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                        "parent": s.parent_span_id.hex(),
-                        "component": resource.get("serve_app.component"),
-                        "service": resource.get("service.name"),
-                        "attributes": {a.key: value(a.value) for a in s.attributes},
-                        "events": [e.name for e in s.events]})
-        with self.lock:
-            self.spans.extend(spans)
-
-    def of(self, trace_id: str) -> list[dict]:
-        with self.lock:
-            return [s for s in self.spans if s["trace_id"] == trace_id]
 
 
 @pytest.fixture(scope="module")
