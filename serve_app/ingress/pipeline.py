@@ -255,10 +255,16 @@ class RequestPipeline:
         first chunk. A streamed request's later chunks come through the model's output
         channels when ``router.output_channels`` is on: the ticket says where."""
         controller = self.admission[req.model]
+        rt = tracing.current()
+        # Where the request joined the queue: the requests already waiting (a fair queue has no
+        # fixed position; VTC picks among tenants), read only for a recorded span.
+        ahead = {"serve_app.queue.ahead": controller.queued(),
+                 "serve_app.queue.ahead_in_band": controller.queued(tenant.priority)
+                 } if rt.recording else {}
         try:
-            await tracing.current().phase("queue", slot.acquire(
+            await rt.phase("queue", slot.acquire(
                 controller, tenant.name, tenant.priority, req.n, charge.expected_service),
-                band=tenant.priority)
+                band=tenant.priority, **ahead)
         except QueueFull as full:
             charge.refund()  # refused: the request costs no quota
             raise OpenAIError(429, f"{req.model} {full}", code="queue_full",

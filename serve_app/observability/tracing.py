@@ -8,7 +8,8 @@ batch processor exporting OTLP over HTTP/protobuf.
 
 * **Router** (:class:`RequestTrace`, made by :func:`start_request`): one server span per request,
   continuing the client's W3C ``traceparent`` (a new trace without one), with child spans
-  ``authenticate``, ``quota``, ``queue`` (band) and ``dispatch`` (admission -> first chunk),
+  ``authenticate``, ``quota``, ``queue`` (band, and the requests already waiting when it
+  joined: in all bands and in its own) and ``dispatch`` (admission -> first chunk),
   events ``first_token`` and ``end``; attributes tenant, model, band, ``x-request-id``, prompt,
   output and cached tokens, the HTTP status and the OpenAI error code. The dispatch span's
   context travels to the engine replica in ``GenerationRequest.trace_context``.
@@ -145,6 +146,8 @@ def carrier_of(span: Any) -> dict[str, str]:
 class _NoTrace:
     """A request's trace while tracing is off: every method does nothing."""
 
+    recording = False  # attributes worth computing only for a recorded span are skipped
+
     async def authenticate(self, awaitable: Awaitable[T]) -> T:
         return await awaitable
 
@@ -195,6 +198,7 @@ class RequestTrace:
 
     def __init__(self, span: Any) -> None:
         self.span = span
+        self.recording: bool = span.is_recording()  # False: not sampled
         self.context = trace.set_span_in_context(span)
         self.dispatched: Any = None
         self.ended = False

@@ -103,6 +103,8 @@ def test_a_request_is_traced_from_the_router_to_the_engine(traced, stack):
     assert request["component"] == "router" and engine["component"] == "engine"
     assert {"authenticate", "quota", "queue", "dispatch", "decode"} <= set(spans)
     assert engine["parent"] == dispatch["span_id"]  # the context crossed to the replica
+    queue = spans["queue"]["attributes"]  # nothing waited ahead of this request
+    assert (queue["serve_app.queue.ahead"], queue["serve_app.queue.ahead_in_band"]) == (0, 0)
     attrs = request["attributes"]
     # The response's X-Request-Id is the router's id (Serve appends its own after it).
     request_id = r.headers["x-request-id"].split(",")[0]

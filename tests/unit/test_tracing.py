@@ -149,6 +149,7 @@ def test_sampling_zero_exports_nothing(headers):
     tracing.configure(TracingSettings(enabled=True, sample_ratio=0.0), "router", env={},
                       exporter=exporter)
     try:
+        assert tracing.start_request(headers).recording is False  # its extras are skipped
         carrier = one_request(headers)
         request = GenerationRequest("r", SamplingOptions(), prompt="x", trace_context=carrier)
         span = tracing.engine_span(request)
@@ -156,6 +157,8 @@ def test_sampling_zero_exports_nothing(headers):
         tracing.engine_end(span, False)
         assert exporter.get_finished_spans() == ()
         # Parent-based: a client's sampled trace is followed whatever the ratio.
+        assert tracing.start_request({"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+                                     ).recording is True
         one_request({"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
         assert len(exporter.get_finished_spans()) == 5
     finally:
