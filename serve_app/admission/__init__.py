@@ -15,10 +15,13 @@ from serve_app.admission.engine_feedback import EngineFeedbackCapacity
 from serve_app.admission.fixed import FixedCapacity
 from serve_app.admission.policy import COLD_START_PROBE, CapacityPolicy
 
-# name -> factory(headroom, kv_cache_high, fixed_per_replica, upper_bound)
+# name -> factory(headroom, kv_cache_high, fixed_per_replica, upper_bound); fixed_per_replica is
+# the model's max_ongoing_requests: Serve's limit per replica (engine_feedback plans within it;
+# fixed, the baseline, is that limit).
 CAPACITY_POLICIES: dict[str, Callable[..., CapacityPolicy]] = {
     "engine_feedback": lambda *, headroom, kv_cache_high, fixed_per_replica, upper_bound:
-        EngineFeedbackCapacity(headroom, kv_cache_high, upper_bound),
+        EngineFeedbackCapacity(headroom, kv_cache_high, upper_bound,
+                               serve_limit=fixed_per_replica),
     "fixed": lambda *, headroom, kv_cache_high, fixed_per_replica, upper_bound:
         FixedCapacity(fixed_per_replica, upper_bound),
 }

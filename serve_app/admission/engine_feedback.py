@@ -19,6 +19,14 @@ requests, where the room is
   ``growth`` being how many more requests it ran at its latest step than at the one before: a burst ramps up as fast as the engine shows it can start
   work (4, 8, 16, ... per step), never faster, so the waiting queue stays near ``headroom``.
 
+Every replica's target also stays below what Serve lets it take at once: the model's
+``max_ongoing_requests`` (``serve_limit``) less what each router may hold on it beside the
+admitted requests (counted from the routers reporting demand to it): its output channel, a load
+poll, and the ``headroom`` first requests of idle tenants it may let in beyond capacity. A request sent past that limit waits in Serve's handle, first come first served and
+with Serve's retry backoff of up to a second, where no tenant's turn is kept (measured on the
+CPU default, 64 = ``max_num_seqs`` = ``max_ongoing_requests``: a quiet tenant's first token took
+1.3 s beside a 96-way flood, 1.15 s of it in Serve's hop; bench/RESULTS.md 42a).
+
 The limit is absolute (what the engines run plus their small queues), not relative to what the
 router has out: requests that finished in the engine but whose responses are still being sent
 count in the router until they end, and a relative limit counted their places twice (measured:
@@ -41,10 +49,12 @@ class EngineFeedbackCapacity:
     Keeps, per replica, the running count of the engine's two latest distinct steps."""
 
 
-    def __init__(self, headroom: int, kv_cache_high: float, upper_bound: int | None) -> None:
+    def __init__(self, headroom: int, kv_cache_high: float, upper_bound: int | None,
+                 serve_limit: int | None = None) -> None:
         self.headroom = headroom
         self.kv_cache_high = kv_cache_high
         self.upper_bound = upper_bound
+        self.serve_limit = serve_limit  # the model's max_ongoing_requests (None: no limit)
         self._steps: dict[str, tuple[int, int]] = {}  # replica -> (running, growth)
 
     def _growth(self, r: EngineLoad) -> int:
@@ -58,7 +68,15 @@ class EngineFeedbackCapacity:
         return growth
 
     def replica_target(self, r: EngineLoad) -> int:
-        """Requests this replica's engine should hold now: what it runs plus what it may wait."""
+        """Requests this replica's engine should hold now: what it runs plus what it may wait,
+        within what Serve lets the replica take at once (see the module docstring)."""
+        target = self._engine_target(r)
+        if self.serve_limit is None:
+            return target
+        held = max(1, len(r.router_demand)) * (2 + self.headroom)
+        return max(1, min(target, self.serve_limit - held))
+
+    def _engine_target(self, r: EngineLoad) -> int:
         growth = self._growth(r)
         free = r.max_running - r.running if r.max_running > 0 else None
         # What the next step can start: one step's budget of prompts, within the free places.

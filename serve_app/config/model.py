@@ -109,7 +109,10 @@ class ModelSettings(_Strict):
         1, ge=1, description="CPUs reserved for a replica (on CPU: for the engine itself)."
     )
     max_ongoing_requests: int = Field(
-        256, ge=1, description="Requests one replica accepts at once (vLLM batches them)."
+        256, ge=1, description="Requests one replica accepts at once (Serve's limit; vLLM "
+        "batches them). Keep it above the engine's batch (`max_num_seqs`) plus the router's "
+        "`admission.headroom` and 2 + headroom per router replica: the router plans each "
+        "engine's load within it, so below that the batch never fills."
     )
     max_model_len: int | None = Field(
         None, ge=16, description="Context length; defaults to the model's own."

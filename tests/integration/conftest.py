@@ -189,10 +189,11 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
 
 
 def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
-                       step_s: float) -> str:
+                       step_s: float, max_ongoing_requests: int = 256) -> str:
     """Deploy the suite's router configuration and tenants in front of one scripted-engine
-    replica (``batch`` places, a step every ``step_s``) as ``app`` beside the shared stack, wait
-    until it lists its model, and return its base URL. The caller deletes it (serve.delete)."""
+    replica (``batch`` places, a step every ``step_s``, Serve's ``max_ongoing_requests``) as
+    ``app`` beside the shared stack, wait until it lists its model, and return its base URL.
+    The caller deletes it (serve.delete)."""
     from ray import serve
 
     from serve_app.app import build_app
@@ -200,7 +201,8 @@ def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
     from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
 
     settings = ModelSettings(name=model, path=str(stack["path"]), device="cpu",
-                             max_model_len=2048, engine_kwargs={
+                             max_model_len=2048, max_ongoing_requests=max_ongoing_requests,
+                             engine_kwargs={
                                  "max_num_seqs": batch, "scripted_step_s": step_s})
     serve.run(build_app(stack["config"].model_copy(update={"models": [settings]}),
                         SCRIPTED_ENGINE_CLASS),

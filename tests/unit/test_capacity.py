@@ -221,3 +221,33 @@ def test_the_config_names_exactly_the_registered_capacity_policies():
 
     annotation = AdmissionSettings.model_fields["policy"].annotation
     assert set(typing.get_args(annotation)) == set(CAPACITY_POLICIES)
+
+
+def test_capacity_stays_within_serves_limit_regression_quiet_tenant_waited_in_serves_queue():
+    """Regression (CPU default, issue 42): max_num_seqs = max_ongoing_requests = 64, and a
+    saturated engine's target (64 running + headroom) passed what Serve lets the replica take at
+    once, less what the routers hold on it beside admitted requests (output channels, polls,
+    idle tenants' first requests). The surplus waited in Serve's
+    handle, first come first served with its retry backoff: a quiet tenant's first token took
+    1.3 s beside a 96-way flood, 1.15 s of it in Serve's hop, while the router's fair queue,
+    which would have put it first, held nothing of it."""
+    def saturated(name, routers):
+        return EngineLoad(64, 0, max_running=64, replica=name, active=64,
+                          router_demand=tuple((f"router-{i}", 40) for i in range(routers)))
+
+    p = EngineFeedbackCapacity(4, 0.95, None, serve_limit=64)
+    # One router: its channel, a load poll and its 4 first-request slots are kept free.
+    assert p.capacity([saturated("r0", 1)]) == 64 - 6
+    # Two routers, two replicas: each replica keeps room for both routers' calls.
+    assert p.capacity([saturated("r0", 2), saturated("r1", 2)]) == 2 * (64 - 12)
+    # Below the limit the engine's own target stands (a batch of 8 plus headroom 4).
+    small = EngineLoad(8, 0, max_running=8, replica="r2", active=8, router_demand=(("a", 8),))
+    assert p.capacity([small]) == 12
+    # A limit at the batch (the CPU default's shape): what is left of it, never none.
+    assert EngineFeedbackCapacity(4, 0.95, None, serve_limit=8).capacity([small]) == 8 - 6
+    assert EngineFeedbackCapacity(4, 0.95, None, serve_limit=4).capacity([small]) == 1
+    # Without a limit (as before), and the registry passes the model's max_ongoing_requests.
+    assert EngineFeedbackCapacity(4, 0.95, None).capacity([saturated("r3", 1)]) == 68
+    registered = capacity_policy("engine_feedback", headroom=4, kv_cache_high=0.95,
+                                 fixed_per_replica=64, upper_bound=None)
+    assert registered.capacity([saturated("r4", 1)]) == 58
