@@ -1,5 +1,6 @@
-"""LoRA adapter folders in PEFT's format: the tiny adapter the project writes itself, and the
-one reading of an adapter folder's ``adapter_config.json`` the config's validation does.
+"""LoRA adapter folders in PEFT's format: the tiny adapter the project writes itself (the
+reading of a folder's ``adapter_config.json`` lives with the schema that checks it:
+:func:`serve_app.config.lora.read_adapter_config`).
 
 A PEFT adapter folder holds ``adapter_config.json`` (``peft_type: LORA``, rank ``r``,
 ``lora_alpha``, ``target_modules``) and ``adapter_model.safetensors`` with, per adapted
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-ADAPTER_CONFIG = "adapter_config.json"
+from serve_app.config.lora import ADAPTER_CONFIG, read_adapter_config
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "read_adapter_config", "write_tiny_adapter"]
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TINY_ADAPTER_RANK = 8
 TINY_TARGET_MODULES = ("q_proj", "v_proj")
@@ -72,30 +75,3 @@ def write_tiny_adapter(folder: Path, base: Path, seed: int = 1,
     }, indent=2))
     marker.write_text(json.dumps({"seed": seed, "rank": rank}))
     return folder
-
-
-def read_adapter_config(folder: Path) -> dict[str, Any]:
-    """``folder``'s ``adapter_config.json``, checked for what vLLM needs of it: a LoRA
-    (``peft_type``), an integer rank ``r`` and ``target_modules``. Raises ValueError saying
-    what is missing (the config's validation puts the field's name in front)."""
-    path = folder / ADAPTER_CONFIG
-    if not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder (a local adapter is a folder holding "
-                         f"{ADAPTER_CONFIG}; a hub id is written org/name)")
-    if not path.is_file():
-        raise ValueError(f"{folder} has no {ADAPTER_CONFIG}: not a PEFT adapter folder "
-                         "(`serve-app make-adapter` writes one)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path} is not readable JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    if str(data.get("peft_type", "LORA")).upper() != "LORA":
-        raise ValueError(f"{path}: peft_type is {data.get('peft_type')!r}; only LORA is served")
-    rank = data.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ValueError(f"{path}: `r` (the rank) must be a positive integer, not {rank!r}")
-    if not data.get("target_modules"):
-        raise ValueError(f"{path}: `target_modules` is missing")
-    return data
