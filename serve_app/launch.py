@@ -167,8 +167,13 @@ def _record(config: AppConfig, action: str) -> str:
 
 
 def _structure(config: dict[str, Any]) -> dict[str, Any]:
-    """What a live change cannot touch: everything but the tenants."""
-    return {k: v for k, v in config.items() if k != "tenants"}
+    """What a live change cannot touch: everything but the tenants and the models' adapters
+    (serve_app.app.LIVE_MODEL_FIELDS)."""
+    from serve_app.app import LIVE_MODEL_FIELDS
+
+    return {**{k: v for k, v in config.items() if k != "tenants"},
+            "models": [{k: v for k, v in m.items() if k not in LIVE_MODEL_FIELDS}
+                       for m in config.get("models", [])]}
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,9 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
     """Apply ``config`` to the stack running on the cluster at ``address``; return once it is
     in force (a redeploy returns when Serve has the app running again, after any rolls).
 
-    A change of tenants only (keys, priorities, model access, quotas) is published live: every
-    router replica enforces it within about a second, no replica restarts and no stream is cut.
+    A change of tenants (keys, priorities, model access, quotas) or adapters only is published
+    live: every router replica enforces it within about a second, no replica restarts and no
+    stream is cut.
     Any other change redeploys the app, and Serve replaces only the deployments whose version
     changed (serve_app.app.deployment_versions): engine arguments roll that model's engines
     behind the same routers, router settings roll the routers and leave the engines; replica

@@ -29,11 +29,11 @@ from serve_app.config.base import (
 )
 from serve_app.config.governance import GovernanceSettings, UsageSettings
 from serve_app.config.observability import TracingSettings
-from serve_app.config.lora import PUBLIC, AdapterSettings, LoraSettings
+from serve_app.config.lora import PUBLIC, AdapterSettings, LoraSettings, adapter_id
 from serve_app.config.model import AutoscalingSettings, ModelSettings
 from serve_app.config.router import AdmissionSettings, RouterSettings
 
-__all__ = ["PUBLIC", "AdapterSettings", "LoraSettings", "APP_NAME", "DEFAULT_CONFIG", "DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_MODEL_NAME",
+__all__ = ["PUBLIC", "AdapterSettings", "LoraSettings", "adapter_id", "APP_NAME", "DEFAULT_CONFIG", "DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_MODEL_NAME",
            "DEFAULT_STALL_TIMEOUT_S", "LOOPBACK_HOSTS", "TENANTS_FILE_ENV",
            "VLLM_DEFAULT_MAX_NUM_SEQS", "AdmissionSettings", "AppConfig", "AutoscalingSettings",
            "ConfigError", "GovernanceSettings", "ModelSettings", "Priority", "RouterSettings",

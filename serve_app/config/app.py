@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve_app.config.base import LOOPBACK_HOSTS, _Strict
 from serve_app.config.governance import GovernanceSettings
-from serve_app.config.lora import PUBLIC, AdapterSettings, read_adapter_config
+from serve_app.config.lora import PUBLIC, AdapterSettings, adapter_id, read_adapter_config
 from serve_app.config.model import ModelSettings
 from serve_app.config.router import RouterSettings
 
@@ -138,8 +138,13 @@ class AppConfig(_Strict):
         Messages start with the field's path (_format_validation_error prints them so)."""
         seen: dict[str, str] = {}
         for i, m in enumerate(self.models):
+            ids: dict[int, str] = {}
             for j, a in enumerate(m.adapters):
                 where = f"models.{i}.adapters.{j}"
+                same = ids.setdefault(adapter_id(m.name, a.name, a.path), a.name)
+                if same != a.name:  # vLLM would serve one's weights for the other
+                    raise ValueError(f"{where}.name: {a.name!r} and {same!r} get the same "
+                                     "adapter id (a digest); rename one of them")
                 if a.name in models:
                     raise ValueError(f"{where}.name: {a.name!r} is a model's name; adapters "
                                      "are served as model ids, so rename the adapter")

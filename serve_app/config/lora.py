@@ -8,6 +8,7 @@ folder's ``adapter_config.json`` and its rank), are the whole config's business
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -23,6 +24,18 @@ PUBLIC = "public"
 # The ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+def adapter_id(model: str, name: str, path: str) -> int:
+    """The int id vLLM knows an adapter by (``LoRARequest.lora_int_id``, 1 .. 2**31 - 1): a
+    digest of the model, the adapter's name and its path, so it is the same on every router
+    and engine and through any live change that adds or removes other adapters (an id from
+    the config's order would shift, and an engine would serve another adapter's weights
+    cached under the old id); a changed path is a new adapter to vLLM, whose cache holds
+    weights by id. Two adapters of one model with the same id are refused at load
+    (:meth:`serve_app.config.AppConfig`); the chance is about n^2 / 2^32 for n adapters."""
+    digest = hashlib.sha256(f"{model}\0{name}\0{path}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % (2**31 - 1) + 1
 
 
 class LoraSettings(_Strict):

@@ -3,7 +3,8 @@
 1. **authenticate**: API key -> tenant, by the live tenant list
    (:meth:`serve_app.governance.live_config.LiveTenants.authenticate`; 401);
 2. **read**: a bounded body, validated into its OpenAI model (:mod:`serve_app.ingress.http`;
-   400/413), and the model resolved for the tenant (404);
+   400/413), and the model (or adapter: :mod:`serve_app.governance.adapters`) resolved for the
+   tenant (404);
 3. **quota**: the tenant's token budget, reserving the request's most from it, and its rate
    and token limits, the latter for the whole app through the quota actor's leases
    (:meth:`Charge.reserve <serve_app.governance.accounting.Charge.reserve>`; 429 + Retry-After,
@@ -145,9 +146,11 @@ class RequestPipeline:
         slot, charge = Slot(), None
         try:
             req = await self._read(http_request, model_cls)
+            builder = ResponseBuilder(kind, f"{id_prefix}{uuid.uuid4().hex}", req.model, req.n)
+            # A tenant's adapter runs on its base model: req.model becomes the base's name.
+            progress.adapter = self.tenants.adapters.route(req, tenant)
             # Only served names become metric labels: client strings must not grow the series.
             label = req.model if req.model in self.streams else "unknown"
-            builder = ResponseBuilder(kind, f"{id_prefix}{uuid.uuid4().hex}", req.model, req.n)
             progress.stream = req.stream
             rt.request(tenant, label, builder.request_id)
             charge = Charge(self.gate, tenant, estimate_prompt_tokens(req), completion_limit(
@@ -203,7 +206,7 @@ class RequestPipeline:
             else (0, 0)
         prompt, completion, service = (0, 0, 0.0) if charge is None \
             else charge.settle(status, *counts)
-        self.gate.finish(tenant, label, status, prompt, completion)
+        self.gate.finish(tenant, label, status, prompt, completion, progress.adapter_name)
         slot.release(service)
         (rt or tracing.NO_TRACE).finish(status, prompt, completion, progress.cached_tokens)
         record_usage(self.usage, tenant, label, status, builder, prompt, completion, progress,
@@ -272,6 +275,7 @@ class RequestPipeline:
         charge.admitted(controller.queue, charge.expected_service)
         generation = req.to_generation(builder.request_id)
         generation.cache_salt = tenant.cache_salt  # from the tenant, never from the client
+        generation.adapter = progress.adapter
         generation.priority = slot.priority
         generation.stream = req.stream
         generation.trace_context = tracing.current().dispatch()
