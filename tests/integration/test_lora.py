@@ -59,14 +59,36 @@ def lora(stack, tmp_path_factory):
     late = folders.pop("late")  # added live by the live-change test
     cfg = _config(stack, folders)
     check_adapter_folders(cfg)  # a broken weights file passes the config: it fails at load
+    # vLLM's own run starts now: its engine loads while the app's does.
+    reference = _start_reference(folders, tmp_path_factory.mktemp("lora-reference"), stack)
     serve.run(build_app(cfg), name=APP, route_prefix=PREFIX, blocking=False)
     base = stack["base"] + PREFIX
     try:
         wait_until_listed(base, stack["headers"], timeout_s=300)
         yield {"base": base, "config": cfg, "folders": folders, "late": late,
-               "keys": stack["keys"]}
+               "keys": stack["keys"], "reference": reference}
     finally:
         serve.delete(APP)
+        if reference[0].poll() is None:
+            reference[0].kill()
+
+
+def _start_reference(folders: dict[str, Path], out_dir: Path, stack
+                     ) -> tuple[subprocess.Popen, Path]:
+    """Start vLLM's own greedy run (reference_lora.py) for the base model and each working
+    adapter, with no Ray; :func:`reference` collects it."""
+    spec = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "max_lora_rank": 8,
+            "ignore_eos": True,
+            "adapters": {n: str(p) for n, p in folders.items() if n != "broken"}}
+    out, spec_file = out_dir / "outputs.json", out_dir / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    with spec_file.open() as stdin:
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("reference_lora.py")),
+             str(stack["path"]), str(out)], stdin=stdin, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return proc, out
 
 
 def _headers(lora, tenant: str) -> dict[str, str]:
@@ -99,18 +121,11 @@ def _text(response: httpx.Response) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(lora, tmp_path_factory):
+def reference(lora):
     """vLLM's own greedy output for the base model and each working adapter (no Ray)."""
-    spec = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "max_lora_rank": 8,
-            "ignore_eos": True,
-            "adapters": {n: str(p) for n, p in lora["folders"].items() if n != "broken"}}
-    out = tmp_path_factory.mktemp("lora-reference") / "outputs.json"
-    script = Path(__file__).with_name("reference_lora.py")
-    proc = subprocess.run([sys.executable, str(script),
-                           str(Path(lora["config"].models[0].path)), str(out)],
-                          input=json.dumps(spec), capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, out = lora["reference"]
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
     return json.loads(out.read_text())
 
 
@@ -186,9 +201,14 @@ def _replica_actors() -> set[str]:
 
 
 def test_adding_and_removing_an_adapter_live_restarts_no_replica(lora, stack):
-    """What `serve-app deploy` does for a change of adapters only (launch.deploy: the
-    structure is the same, so it records the config live): every router adopts it within
-    about a second, and the engine and router replicas stay the same actors."""
+    """What `serve-app deploy` does with a change of adapters only (launch.deploy: the same
+    structure, so it records the config live): every router adopts it within about a
+    second. And should the app be deployed again with it (a deploy that changed something
+    else too), Serve finds every deployment's version and arguments unchanged: the engine and
+    router replicas stay the same actors."""
+    from ray import serve
+
+    from serve_app.app import build_app
     from serve_app.governance.live_config import record_deploy
 
     before = _replica_actors()
@@ -200,8 +220,12 @@ def test_adding_and_removing_an_adapter_live_restarts_no_replica(lora, stack):
         assert "late" not in _listed(lora, "team-b")
         late = _text(_complete(lora, "team-a", "late"))
         assert late != _text(_complete(lora, "team-a", "a-tune"))
+        # serve.run returns once the app runs again: a roll would have replaced actors by then.
+        serve.run(build_app(grown), name=APP, route_prefix=PREFIX, blocking=False)
+        assert _replica_actors() == before
     finally:
         record_deploy(APP, lora["config"], "live")
+        serve.run(build_app(lora["config"]), name=APP, route_prefix=PREFIX, blocking=False)
     wait_until(lambda: "late" not in _listed(lora, "team-a"), 15, 0.1)
     assert _complete(lora, "team-a", "late").status_code == 404
     assert _replica_actors() == before
