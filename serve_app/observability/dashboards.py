@@ -75,6 +75,8 @@ def serving_dashboard() -> dict[str, Any]:
     """The serving path: requests, errors, TTFT, tokens/s, engine running/waiting, tenants."""
     rate = "[$__rate_interval]"
     hits_rate = f"rate({_sel('ray_vllm_prefix_cache_hits_total')}{rate})"
+    # Requests refused before a model was read (401) have no model: not in the adapter panel.
+    by_adapter = _sel("ray_serve_app_tenant_requests_total", match='model!=""')
     queries_rate = f"rate({_sel('ray_vllm_prefix_cache_queries_total')}{rate})"
     panels = [
         _panel(1, "Requests per second by status code",
@@ -244,8 +246,7 @@ def serving_dashboard() -> dict[str, Any]:
                  "{{model_name}} {{ReplicaId}}")], "reqps", 12, 104,
                "How evenly the routers spread the requests over a model's engine replicas."),
         _panel(29, "Requests per second by LoRA adapter and tenant",
-               [(_base_as_adapter(f"sum by (model, adapter, tenant) "
-                                  f"(rate({_sel('ray_serve_app_tenant_requests_total')}"
+               [(_base_as_adapter(f"sum by (model, adapter, tenant) (rate({by_adapter}"
                                   f"{rate}))"), "{{model}}/{{adapter}} {{tenant}}")],
                "reqps", 0, 112,
                "Each adapter's requests by the tenant that sent them (models.*.adapters: "
