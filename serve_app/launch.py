@@ -233,7 +233,7 @@ def status(address: str | None = "auto") -> dict[str, Any]:
 
     from serve_app.app import ROUTER_DEPLOYMENT
     from serve_app.governance.budgets import budget_report
-    from serve_app.governance.live_config import read_tenants
+    from serve_app.governance.live_config import read_adapters, read_tenants
     from serve_app.governance.audit import read_audit
 
     if not ray.is_initialized():
@@ -250,6 +250,9 @@ def status(address: str | None = "auto") -> dict[str, Any]:
             for name, d in (app.deployments.items() if app else [])},
         "tenants_version": live[0] if live else None,
         "tenants": [t.name for t in live[1]] if live else [],
+        # Per model, the LoRA adapters the routers serve (live, like the tenants).
+        "adapters": {model: [a["name"] for a in entries] for model, entries in
+                     (read_adapters(APP_NAME) or ("", {}))[1].items() if entries},
         # Per tenant with a token budget: spent and left in the current window, its reset.
         "budgets": budget_report(APP_NAME, live[1]) if live else {},
         # The last deploys: who, when, which config, which tenants changed (never digests).
