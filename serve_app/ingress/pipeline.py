@@ -33,11 +33,9 @@ the engine's work with it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,12 +59,12 @@ from serve_app.governance.accounting import (
     record_usage,
 )
 from serve_app.governance.budgets import BudgetSync
-from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
+from serve_app.ingress.channels import ChannelTicket, ModelChannels
 from serve_app.ingress.engine_stream import (
     collect_chunks,
     first_chunk,
     first_chunk_of_cold_start,
-    no_flow,
+    sse_events,
     no_replica_error,
 )
 from serve_app.ingress.errors import OpenAIError
@@ -359,41 +357,5 @@ class RequestPipeline:
         headers.update(self.gate.ratelimit_headers(tenant))
         return JSONResponse(builder.body(), headers=headers)
 
-    @staticmethod
-    async def _sse(gen: DeploymentResponseGenerator, first: GenerationChunk,
-                   ticket: ChannelTicket | None, channels: ModelChannels | None,
-                   builder: ResponseBuilder, include_usage: bool,
-                   end: Callable[[int], None],
-                   flow: Callable[[int, int], None] | None = None) -> AsyncIterator[bytes]:
-        """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
-        ``flow`` is told the request's token counts as each chunk arrives (its charge); the
-        tenant is charged what was generated, however the stream ended."""
-        status = 499  # until the stream completes or fails: the client went away
-        flow = flow or no_flow
-        try:
-            yield builder.events(first)
-            if not first.finished:
-                if ticket is not None and channels is not None:
-                    # Only once the first event is out: after a replica's idle close this
-                    # opens a channel (a Serve call), which sat on the request's TTFT; the
-                    # chunks wait in the replica's outbox meanwhile.
-                    channels.attach(ticket, first.replica)
-                    async for chunk in chunks_after_first(gen, ticket):
-                        events = builder.events(chunk)
-                        flow(builder.prompt_tokens, builder.completion_tokens)
-                        yield events
-                else:
-                    async for wire in gen:
-                        events = builder.events(GenerationChunk.from_wire(wire))
-                        flow(builder.prompt_tokens, builder.completion_tokens)
-                        yield events
-            yield builder.final_events(include_usage)
-            status = 200
-        except Exception:
-            status = 503
-            logger.exception("stream failed mid-way")
-            err = {"error": {"message": "the stream was interrupted by a server fault",
-                             "type": "server_error", "param": None, "code": None}}
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
-        finally:
-            end(status)
+    # The stream's SSE bytes (serve_app/ingress/engine_stream.py), where the tests reach it.
+    _sse = staticmethod(sse_events)
