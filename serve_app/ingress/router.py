@@ -149,7 +149,8 @@ class OpenAIRouter:
                        "per_replica": [
                            {"replica": r.replica, "node": r.node, "active": r.active,
                             "running": r.running, "waiting": r.waiting,
-                            "requests_total": r.requests_total}
+                            "requests_total": r.requests_total,
+                            "adapters": list(r.adapters)}
                            for r in p.feeds[name].replicas],
                        "engine_waiting": sum(r.waiting for r in p.feeds[name].replicas),
                        "engine_running": sum(r.running for r in p.feeds[name].replicas),

@@ -167,6 +167,10 @@ def test_greedy_output_equals_vllms_own_with_the_same_adapter(lora, reference):
     load = server.engine_load.remote().result(timeout_s=30)
     # Two in host memory (max_cpu_loras), least recent first: b-tune was swapped out.
     assert load.adapters == ("shared", "a-tune"), load.adapters
+    # What `serve-app status` shows per engine replica (the router's last poll of it).
+    router = serve.get_deployment_handle("Router", app_name=APP)
+    wait_until(lambda: router.admission_state.remote().result(timeout_s=30)[MODEL][
+        "per_replica"][0]["adapters"] == ["shared", "a-tune"], 10, 0.1)
 
 
 def test_a_broken_adapter_is_a_503_naming_it_and_others_serve_on(lora):
