@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 MODEL  := models/tiny-llama
+ADAPTER := models/tiny-llama-lora
 CONFIG ?= deployments/local-cpu.yaml
 PYTEST_ARGS ?=
 
@@ -22,7 +23,7 @@ $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-model: $(MODEL)/.serve_app_model.json
+model: $(MODEL)/.serve_app_model.json $(ADAPTER)/.serve_app_adapter.json
 
 # Debian's Prometheus for the dashboard tests, unpacked into the venv (no system install, no
 # service started): tests/integration/test_dashboards_prometheus.py runs it against the stack.
@@ -41,6 +42,10 @@ $(PROMETHEUS_BIN): | install
 
 $(MODEL)/.serve_app_model.json: | install
 	$(BIN)/serve-app make-model tiny --out $(MODEL)
+
+# The tiny LoRA adapter of the tiny model (deployments/local-cpu-lora.yaml serves it).
+$(ADAPTER)/.serve_app_adapter.json: $(MODEL)/.serve_app_model.json
+	$(BIN)/serve-app make-adapter --base $(MODEL) --out $(ADAPTER)
 
 run: install model
 	$(BIN)/serve-app run --config $(CONFIG)

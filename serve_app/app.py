@@ -118,7 +118,7 @@ def build_app(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS) -> Ap
     servers = {
         m.name: with_version(serve.deployment(LLMServer).options(**llm_server_options(m)),
                              versions[llm_server_name(m.name)])
-        .bind(m.model_dump(mode="json"), engine_class)
+        .bind(m.model_dump(mode="json", exclude=set(LIVE_MODEL_FIELDS)), engine_class)
         for m in config.models
     }
     router = with_version(OpenAIRouter.options(
@@ -150,8 +150,14 @@ def router_actor_options(config: AppConfig) -> dict[str, Any]:
 # * drain_timeout_s: Serve's graceful_shutdown_timeout_s (NeedsReconfigure: the controller's own
 #   record of each replica, read when it stops one). No replica reads it.
 # engine_stall_timeout_s stays in: the engine's stall watch reads it (engine/stall.py).
+# * adapters: live (serve_app/governance/live_config.py); each request names its adapter to the
+#   engine (GenerationRequest.adapter). Not even bound to the engines (LIVE_MODEL_FIELDS): their
+#   constructor arguments stay the same when an adapter comes or goes.
 ENGINE_UNREAD_FIELDS = frozenset({"autoscaling", "routing", "max_ongoing_requests",
-                                  "drain_timeout_s"})
+                                  "drain_timeout_s", "adapters"})
+# Model fields that change live, never through a deployment: in no deployment's version, not
+# bound to the engines; the routers start from theirs and follow the published ones.
+LIVE_MODEL_FIELDS = frozenset({"adapters"})
 # Model fields only Serve reads: in no version at all.
 SERVE_ONLY_FIELDS = frozenset({"drain_timeout_s"})
 
@@ -179,7 +185,7 @@ def deployment_versions(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CL
     router_args.pop("tenants")
     for m in router_args["models"]:  # of autoscaling the router reads its target alone
         m["autoscaling"] = {"target_per_replica": m["autoscaling"]["target_per_replica"]}
-        for name in SERVE_ONLY_FIELDS:
+        for name in SERVE_ONLY_FIELDS | LIVE_MODEL_FIELDS:
             m.pop(name)
     versions[ROUTER_DEPLOYMENT] = deployment_version(
         router_args, sorted(m.name for m in config.models),

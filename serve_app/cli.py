@@ -1,4 +1,4 @@
-"""One command line: ``serve-app run | make-model | bench | keys | dashboards | vllm``.
+"""One command line: ``serve-app run | make-model | make-adapter | bench | keys | dashboards | vllm``.
 
 ``run`` starts a local Ray instance (or joins ``--address``), deploys the app from a deployment
 YAML and serves until Ctrl-C, then shuts Serve and Ray down cleanly.
@@ -41,6 +41,14 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     out = Path(args.out or f"models/{'tiny-llama' if args.kind == 'tiny' else args.kind}")
     write_model(args.kind, out, seed=args.seed)
     print(f"wrote {args.kind} model to {out}")
+    return 0
+
+
+def cmd_make_adapter(args: argparse.Namespace) -> int:
+    from serve_app.adapter_files import write_tiny_adapter
+
+    write_tiny_adapter(Path(args.out), Path(args.base), seed=args.seed, rank=args.rank)
+    print(f"wrote a rank-{args.rank} LoRA adapter of {args.base} to {args.out}")
     return 0
 
 
@@ -303,6 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder (default: models/<name>)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("make-adapter", help="write a tiny LoRA adapter (PEFT format, random "
+                       "weights) for the tiny model")
+    p.add_argument("--base", default="models/tiny-llama", help="the tiny model's folder")
+    p.add_argument("--out", default="models/tiny-llama-lora", help="folder")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rank", type=int, default=8)
+    p.set_defaults(func=cmd_make_adapter)
 
     given = sys.argv[1:] if argv is None else argv
     for name, (module, _, help_text) in BENCH_COMMANDS.items():

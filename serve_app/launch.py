@@ -167,8 +167,13 @@ def _record(config: AppConfig, action: str) -> str:
 
 
 def _structure(config: dict[str, Any]) -> dict[str, Any]:
-    """What a live change cannot touch: everything but the tenants."""
-    return {k: v for k, v in config.items() if k != "tenants"}
+    """What a live change cannot touch: everything but the tenants and the models' adapters
+    (serve_app.app.LIVE_MODEL_FIELDS)."""
+    from serve_app.app import LIVE_MODEL_FIELDS
+
+    return {**{k: v for k, v in config.items() if k != "tenants"},
+            "models": [{k: v for k, v in m.items() if k not in LIVE_MODEL_FIELDS}
+                       for m in config.get("models", [])]}
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,9 @@ def deploy(config: AppConfig, address: str | None = "auto") -> DeployResult:
     """Apply ``config`` to the stack running on the cluster at ``address``; return once it is
     in force (a redeploy returns when Serve has the app running again, after any rolls).
 
-    A change of tenants only (keys, priorities, model access, quotas) is published live: every
-    router replica enforces it within about a second, no replica restarts and no stream is cut.
+    A change of tenants (keys, priorities, model access, quotas) or adapters only is published
+    live: every router replica enforces it within about a second, no replica restarts and no
+    stream is cut.
     Any other change redeploys the app, and Serve replaces only the deployments whose version
     changed (serve_app.app.deployment_versions): engine arguments roll that model's engines
     behind the same routers, router settings roll the routers and leave the engines; replica
@@ -227,7 +233,7 @@ def status(address: str | None = "auto") -> dict[str, Any]:
 
     from serve_app.app import ROUTER_DEPLOYMENT
     from serve_app.governance.budgets import budget_report
-    from serve_app.governance.live_config import read_tenants
+    from serve_app.governance.live_config import read_adapters, read_tenants
     from serve_app.governance.audit import read_audit
 
     if not ray.is_initialized():
@@ -244,6 +250,9 @@ def status(address: str | None = "auto") -> dict[str, Any]:
             for name, d in (app.deployments.items() if app else [])},
         "tenants_version": live[0] if live else None,
         "tenants": [t.name for t in live[1]] if live else [],
+        # Per model, the LoRA adapters the routers serve (live, like the tenants).
+        "adapters": {model: [a["name"] for a in entries] for model, entries in
+                     (read_adapters(APP_NAME) or ("", {}))[1].items() if entries},
         # Per tenant with a token budget: spent and left in the current window, its reset.
         "budgets": budget_report(APP_NAME, live[1]) if live else {},
         # The last deploys: who, when, which config, which tenants changed (never digests).

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve_app.config.base import LOOPBACK_HOSTS, _Strict
 from serve_app.config.governance import GovernanceSettings
+from serve_app.config.lora import PUBLIC, AdapterSettings, adapter_id, read_adapter_config
 from serve_app.config.model import ModelSettings
 from serve_app.config.router import RouterSettings
 
@@ -129,7 +130,37 @@ class AppConfig(_Strict):
             unknown = sorted(set(t.models or []) - set(names))
             if unknown:
                 raise ValueError(f"tenant {t.name} lists models that are not served: {unknown}")
+        self._adapters_ok(set(names), set(tenants))
         return self
+
+    def _adapters_ok(self, models: set[str], tenants: set[str]) -> None:
+        """Adapter ids are model ids: unique in the app and no model's; owners are tenants.
+        Messages start with the field's path (_format_validation_error prints them so)."""
+        seen: dict[str, str] = {}
+        for i, m in enumerate(self.models):
+            ids: dict[int, str] = {}
+            for j, a in enumerate(m.adapters):
+                where = f"models.{i}.adapters.{j}"
+                same = ids.setdefault(adapter_id(m.name, a.name, a.path), a.name)
+                if same != a.name:  # vLLM would serve one's weights for the other
+                    raise ValueError(f"{where}.name: {a.name!r} and {same!r} get the same "
+                                     "adapter id (a digest); rename one of them")
+                if a.name in models:
+                    raise ValueError(f"{where}.name: {a.name!r} is a model's name; adapters "
+                                     "are served as model ids, so rename the adapter")
+                if a.name in seen:
+                    raise ValueError(f"{where}.name: {a.name!r} is also {seen[a.name]}'s "
+                                     "name; adapter names must be unique in the app")
+                seen[a.name] = where
+                unknown = sorted(set(a.owners) - tenants - {PUBLIC})
+                if unknown:
+                    raise ValueError(
+                        f"{where}.owners: {unknown} are not configured tenants; list tenants "
+                        f"of `tenants:` or `{PUBLIC}`")
+
+    def adapter_owner(self, name: str) -> tuple[ModelSettings, AdapterSettings] | None:
+        """The model serving adapter ``name`` and the adapter's settings, or None."""
+        return next(((m, a) for m in self.models for a in m.adapters if a.name == name), None)
 
     def model(self, name: str) -> ModelSettings | None:
         """The model served under ``name``, or None."""
@@ -143,11 +174,14 @@ class ConfigError(ValueError):
 def _format_validation_error(source: str, err: ValidationError) -> str:
     lines = [f"{source}: invalid deployment config"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check its spelling against serve_app/config/"
-        lines.append(f"  {loc}: {msg}")
+        if not loc and re.match(r"[a-z_]+\.\d+\.", msg):  # a whole-config check names it
+            lines.append(f"  {msg}")
+            continue
+        lines.append(f"  {loc or '(top level)'}: {msg}")
     return "\n".join(lines)
 
 
@@ -164,14 +198,51 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
     except ValidationError as err:
         raise ConfigError(_format_validation_error(source, err)) from None
     if base_dir is None:
+        check_adapter_folders(cfg, source)
         return cfg
     models = []
     for m in cfg.models:
         p = Path(m.path)
         if not p.is_absolute() and (m.path.startswith(".") or (base_dir / p).exists()):
             m = m.model_copy(update={"path": str((base_dir / p).resolve())})
-        models.append(m)
-    return cfg.model_copy(update={"models": models})
+        models.append(m.model_copy(update={"adapters": [
+            a.model_copy(update={"path": _local_path(a.path, base_dir)}) for a in m.adapters]}))
+    cfg = cfg.model_copy(update={"models": models})
+    check_adapter_folders(cfg, source)
+    return cfg
+
+
+def _local_path(path: str, base_dir: Path) -> str:
+    """``path`` made absolute if it names a local folder (as a model's path resolves)."""
+    p = Path(path)
+    if not p.is_absolute() and (path.startswith(".") or (base_dir / p).exists()):
+        return str((base_dir / p).resolve())
+    return path
+
+
+def check_adapter_folders(cfg: AppConfig, source: str = "<config>") -> None:
+    """Every local adapter folder (an absolute path: :func:`parse_config` resolves relative
+    ones) holds a LoRA adapter_config.json whose rank fits its model's ``lora.max_lora_rank``.
+    Hub ids are left to vLLM (loaded when first asked for). Raises :class:`ConfigError`
+    naming the field (``models.0.adapters.1.path``, as every config error does)."""
+    problems = []
+    for i, m in enumerate(cfg.models):
+        for j, a in enumerate(m.adapters):
+            if not Path(a.path).is_absolute():
+                continue
+            where = f"models.{i}.adapters.{j}.path"
+            try:
+                rank = read_adapter_config(Path(a.path))["r"]
+            except ValueError as err:
+                problems.append(f"  {where}: {err}")
+                continue
+            limit = m.lora.max_lora_rank if m.lora is not None else 0
+            if rank > limit:
+                problems.append(f"  {where}: the adapter's rank {rank} is above "
+                                f"models.{i}.lora.max_lora_rank ({limit}); raise it (a "
+                                "restart of the model's engines) or use a smaller adapter")
+    if problems:
+        raise ConfigError("\n".join([f"{source}: invalid deployment config", *problems]))
 
 
 # A file of tenants that load_config adds to the config's own `tenants:` (a Kubernetes Secret

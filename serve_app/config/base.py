@@ -27,6 +27,10 @@ _OWNED_ENGINE_KWARGS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size",
     "distributed_executor_backend": "distributed_executor_backend",
+    "enable_lora": "lora",
+    "max_loras": "lora",
+    "max_lora_rank": "lora",
+    "max_cpu_loras": "lora",
 }
 
 

@@ -15,6 +15,7 @@ from serve_app.config.base import (
     _OWNED_ENGINE_KWARGS,
     _Strict,
 )
+from serve_app.config.lora import AdapterSettings, LoraSettings
 from serve_app.config.routing import RoutingSettings
 
 
@@ -128,6 +129,13 @@ class ModelSettings(_Strict):
         default_factory=RoutingSettings, description="How the routers choose the engine "
         "replica of each request: `policy` (prefix_affinity, the default | power_of_two) and "
         "its knobs.")
+    lora: LoraSettings | None = Field(
+        None, description="LoRA in this model's engines (vLLM's enable_lora and its limits); "
+        "needed by `adapters`. Changing it restarts the model's engines.")
+    adapters: list[AdapterSettings] = Field(
+        default_factory=list, description="LoRA adapters served on this model, each under its "
+        "own model id, to its owners only. Live: adding, changing or removing one with "
+        "`serve-app deploy` restarts nothing.")
     drain_timeout_s: float = Field(
         DEFAULT_DRAIN_TIMEOUT_S, gt=0, description="How long a replica chosen to go (scale-down, redeploy) may "
         "take to finish its streams; it gets no new requests meanwhile. Size it to the longest "
@@ -173,6 +181,18 @@ class ModelSettings(_Strict):
         if "max_model_len" in v:
             raise ValueError("set the model's max_model_len field instead of engine_kwargs")
         return v
+
+    @model_validator(mode="after")
+    def _adapters_need_lora(self) -> ModelSettings:
+        if self.adapters and self.lora is None:
+            raise ValueError(
+                "adapters are listed but LoRA is off in this model's engines: add `lora: "
+                "{max_loras: N, max_lora_rank: R}` to the model (R at least the adapters' rank)")
+        names = [a.name for a in self.adapters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"adapter names must be unique; rename the repeated {dupes}")
+        return self
 
     @model_validator(mode="after")
     def _cpu_limits(self) -> ModelSettings:

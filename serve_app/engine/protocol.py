@@ -97,6 +97,11 @@ class GenerationRequest:
     # The W3C trace context (``traceparent``, ``tracestate``) of the router's dispatch span when
     # tracing is on (serve_app/observability/tracing.py); the replica passes it on to vLLM.
     trace_context: dict[str, str] | None = None
+    # The LoRA adapter to run the request with, as the router's adapter table names it
+    # (serve_app/ingress/adapters.py): (name, id, path), builtins for the Ray hop. The id is
+    # stable for a (model, name, path), so every replica and router agree on it and a
+    # changed path is a new adapter to vLLM. None: the base model.
+    adapter: tuple[str, int, str] | None = None
 
 
 @dataclass(slots=True)
@@ -176,6 +181,8 @@ class EngineLoad:
     how the routers share the model's capacity (:mod:`serve_app.admission.share`).
     ``prefix_report``: what this replica's prefix cache holds, as block hashes, since what the
     asking router last knew (:class:`PrefixReport`); None when the router asked for none.
+    ``adapters``: the LoRA adapters the engine has loaded as far as it knows (those it ran
+    most recently, at most its ``max_cpu_loras``), least recent first; () without LoRA.
     """
 
     running: int
@@ -191,6 +198,7 @@ class EngineLoad:
     unfinished: int = 0
     router_demand: tuple[tuple[str, int], ...] = ()
     prefix_report: PrefixReport | None = None
+    adapters: tuple[str, ...] = ()
 
     @property
     def step_intake(self) -> int:

@@ -15,6 +15,7 @@ import time
 from typing import Any, AsyncIterator
 
 from serve_app.config import ModelSettings
+from serve_app.engine.adapters import LoadedAdapters
 from serve_app.engine.protocol import (
     ChoiceDelta,
     EngineLoad,
@@ -52,8 +53,20 @@ def engine_args_for(settings: ModelSettings) -> dict[str, Any]:
     # The router orders the few requests it lets wait inside the engine by tenant and band
     # (GenerationRequest.priority); FCFS there would put a quiet tenant behind a flood again.
     kwargs["scheduling_policy"] = "priority"
+    if settings.lora is not None:  # adapters come with requests (serve_app/engine/adapters.py)
+        kwargs.update(enable_lora=True, max_loras=settings.lora.max_loras,
+                      max_lora_rank=settings.lora.max_lora_rank)
+        if settings.lora.max_cpu_loras is not None:
+            kwargs["max_cpu_loras"] = settings.lora.max_cpu_loras
     kwargs.update(settings.engine_kwargs)
     return kwargs
+
+
+def _lora_request(name: str, adapter_id: int, path: str) -> Any:
+    """vLLM's LoRARequest; its three leading fields are the same in 0.26 and 0.32."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=adapter_id, lora_path=path)
 
 
 class VLLMEngine:
@@ -70,6 +83,9 @@ class VLLMEngine:
         self._priority = False
         self._max_token_chars = 0  # 0: no length bound before encoding (unknown vocabulary)
         self._stats = SchedulerCounts()
+        lora = settings.lora
+        self.loras = LoadedAdapters(settings.name, 0 if lora is None
+                                       else lora.max_cpu_loras or lora.max_loras)
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -124,7 +140,8 @@ class VLLMEngine:
         s = self._stats
         return EngineLoad(running=s.running, waiting=s.waiting, kv_cache_usage=s.kv_cache_usage,
                           max_running=self._max_running, step_tokens=self._step_tokens,
-                          prefill_tokens_avg=self._prefill_tokens_avg)
+                          prefill_tokens_avg=self._prefill_tokens_avg,
+                          adapters=self.loras.names())
 
     @property
     def kv_cache_tokens(self) -> int | None:
@@ -137,6 +154,10 @@ class VLLMEngine:
         except (AttributeError, TypeError, ValueError):
             return None
         return int(tokens) if tokens and int(tokens) > 0 else None
+
+    async def _add_lora(self, name: str, adapter_id: int, path: str) -> bool:
+        """Load an adapter into the engine (vLLM's own loader; raises what it raises)."""
+        return bool(await self._engine.add_lora(_lora_request(name, adapter_id, path)))
 
     def unfinished_requests(self) -> int:
         """Requests the engine front end still tracks (drops to 0 once aborts are processed)."""
@@ -270,6 +291,10 @@ class VLLMEngine:
         if not ids:
             raise EngineRequestError("the prompt is empty", param="prompt")
         params = self._sampling_params(request, len(ids))
+        lora = None
+        if request.adapter is not None:
+            await self.loras.ensure(request.adapter, self._add_lora)
+            lora = _lora_request(*request.adapter)
         n_prompt = len(ids)
         if self._prefill_tokens_avg == 0:  # nothing measured yet: assume no cache hit
             self._prefill_tokens_avg = float(n_prompt)
@@ -280,7 +305,7 @@ class VLLMEngine:
             prompt["cache_salt"] = request.cache_salt  # prefix cache shared within a tenant only
         submitted = time.monotonic()
         self._stats.watch.submitted(submitted, engine_idle=not self.unfinished_requests())
-        stream = self._engine.generate(prompt, params, request.request_id,
+        stream = self._engine.generate(prompt, params, request.request_id, lora_request=lora,
                                        priority=request.priority if self._priority else 0,
                                        trace_headers=request.trace_context)
         first = True

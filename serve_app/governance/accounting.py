@@ -215,6 +215,13 @@ class Progress:
     first_chunk: float | None = None
     cached_tokens: int | None = None
     stream: bool = False
+    # The LoRA adapter the request runs with, (name, id, path) (serve_app/governance/adapters.py):
+    # its usage record and tenant metrics carry the name; None: the base model.
+    adapter: tuple[str, int, str] | None = None
+
+    @property
+    def adapter_name(self) -> str:
+        return self.adapter[0] if self.adapter is not None else ""
 
 
 def record_usage(usage: UsageLog | None, tenant: Tenant, model: str, status: int,
@@ -235,7 +242,8 @@ def record_usage(usage: UsageLog | None, tenant: Tenant, model: str, status: int
 
     usage.record(
         request_id=builder.request_id if builder is not None else None,
-        tenant=tenant.name, model=model, priority=tenant.priority, prompt_tokens=prompt,
+        tenant=tenant.name, model=model, adapter=progress.adapter_name or None,
+        priority=tenant.priority, prompt_tokens=prompt,
         completion_tokens=completion, prompt_estimated=prompt_estimated,
         cached_tokens=progress.cached_tokens, status=status,
         finish_reason=",".join(reasons) or None,

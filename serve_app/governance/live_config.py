@@ -1,4 +1,5 @@
-"""The live part of a deployment's config: its tenants (keys, priorities, model access, quotas).
+"""The live part of a deployment's config: its tenants (keys, priorities, model access, quotas)
+and each model's LoRA adapters (names, paths, owners: :mod:`serve_app.governance.adapters`).
 
 `serve-app deploy` writes them to the cluster's key-value store (Ray's GCS, which outlives any
 replica); every router replica reads them before it authenticates its first request and then
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from serve_app.config import AppConfig, TenantSettings
+from serve_app.governance.adapters import AdapterTable
 from serve_app.serve_private import kv_get, kv_put
 
 if TYPE_CHECKING:
@@ -60,6 +62,40 @@ def read_tenants(app_name: str) -> tuple[str, list[TenantSettings]] | None:
     return record["version"], [TenantSettings.model_validate(t) for t in record["tenants"]]
 
 
+def adapters_of(config: AppConfig) -> dict[str, list[dict[str, Any]]]:
+    """Each model's adapters as the live record holds them (model name -> adapter entries)."""
+    return {m.name: [a.model_dump(mode="json") for a in m.adapters] for m in config.models}
+
+
+def adapters_version(adapters: dict[str, list[dict[str, Any]]]) -> str:
+    """A short digest of an adapter record (what routers compare)."""
+    return hashlib.sha256(json.dumps(adapters, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def publish_adapters(app_name: str, config: AppConfig) -> str:
+    """Make ``config``'s adapters the live ones of ``app_name``; returns their version."""
+    adapters = adapters_of(config)
+    version = adapters_version(adapters)
+    kv_put(_key(app_name, "adapters"), json.dumps({"version": version,
+                                                   "models": adapters}).encode())
+    return version
+
+
+def read_adapters(app_name: str) -> tuple[str, dict[str, list[dict[str, Any]]]] | None:
+    """The live adapters of ``app_name`` (model name -> entries) and their version; None if
+    none were published."""
+    raw = kv_get(_key(app_name, "adapters"))
+    if not raw:
+        return None
+    record = json.loads(raw)
+    return record["version"], record["models"]
+
+
+def _read_live(app_name: str) -> tuple[Any, Any]:
+    """Both live records in one thread hop: (tenants, adapters), each None if unpublished."""
+    return read_tenants(app_name), read_adapters(app_name)
+
+
 def publish_config(app_name: str, config: dict[str, Any]) -> None:
     """Record the whole config last deployed as ``app_name`` (what `serve-app deploy` compares
     a new config with, and `serve-app status` reports)."""
@@ -89,6 +125,10 @@ def record_deploy(app_name: str, config: AppConfig, action: str) -> str:
     unchanged = read_config(app_name) == dumped and before is not None \
         and before[0] == tenants_version(config.tenants)
     publish_config(app_name, dumped)
+    # Adapters before tenants: a router that reads between the two writes sees new adapters
+    # with the old tenants, and refuses a pair that does not validate (an owner not yet a
+    # tenant) until the tenants follow a second later, never the other way round.
+    publish_adapters(app_name, config)
     version = publish_tenants(app_name, config.tenants)
     if unchanged:
         return version
@@ -116,6 +156,8 @@ class LiveTenants:
         self.gate = gate
         self.app_name = app_name
         self.version = tenants_version(config.tenants)
+        self.adapters_version = adapters_version(adapters_of(config))
+        self.adapters = AdapterTable.from_config(config)
         self._checked = 0.0
         self._task: asyncio.Task[None] | None = None
         self._read = asyncio.Event()
@@ -151,29 +193,45 @@ class LiveTenants:
             return
         self._checked = now
         try:
-            live = await asyncio.to_thread(read_tenants, self.app_name)
+            live, adapters = await asyncio.to_thread(_read_live, self.app_name)
         except Exception:
             logger.warning("could not read the live tenant list; keeping %s", self.version,
                            exc_info=True)
             return
-        if live is None or live[0] == self.version:
+        live = live if live is not None and live[0] != self.version else None
+        adapters = (adapters if adapters is not None and adapters[0] != self.adapters_version
+                    else None)
+        if live is None and adapters is None:
             return
-        version, tenants = live
+        data = self.config.model_dump(mode="json")
+        if live is not None:
+            data["tenants"] = [t.model_dump(mode="json") for t in live[1]]
+        if adapters is not None:
+            for m in data["models"]:
+                m["adapters"] = adapters[1].get(m["name"], [])
         try:
-            config = AppConfig.model_validate({
-                **self.config.model_dump(mode="json"),
-                "tenants": [t.model_dump(mode="json") for t in tenants]})
+            config = AppConfig.model_validate(data)
         except ValidationError as err:
-            logger.error("live tenant list %s refused, keeping %s: %s", version, self.version,
-                         err)
+            logger.error("live tenants %s / adapters %s refused, keeping %s / %s: %s",
+                         live and live[0], adapters and adapters[0], self.version,
+                         self.adapters_version, err)
             return
         self.config = config
-        self.gate.set_tenants(config.tenants)
-        logger.info("tenants: version %s -> %s (%d tenants)", self.version, version,
-                    len(config.tenants))
-        self.version = version
+        if live is not None:
+            self.gate.set_tenants(config.tenants)
+            logger.info("tenants: version %s -> %s (%d tenants)", self.version, live[0],
+                        len(config.tenants))
+            self.version = live[0]
+        if adapters is not None:
+            self.adapters = AdapterTable.from_config(config)
+            logger.info("adapters: version %s -> %s (%d adapters)", self.adapters_version,
+                        adapters[0], len(self.adapters))
+            self.adapters_version = adapters[0]
 
     async def state(self) -> dict[str, Any]:
-        """The tenant list this router replica enforces now (version and names)."""
+        """The tenant list this router replica enforces now (version and names), and the
+        adapters it serves (version and names)."""
         await self.refresh()
-        return {"version": self.version, "tenants": [t.name for t in self.config.tenants]}
+        return {"version": self.version, "tenants": [t.name for t in self.config.tenants],
+                "adapters_version": self.adapters_version,
+                "adapters": [a.name for m in self.config.models for a in m.adapters]}

@@ -67,8 +67,9 @@ class TenantGate:
         # each replica holds its reservations to its part of what is left (budget.py).
         self.budgets = BudgetBook(config.tenants, routers=config.router.num_replicas)
         self._requests = _metric(Counter, "tenant_requests", "counter",
-                                 ("tenant", "model", "status"))
-        self._tokens = _metric(Counter, "tenant_tokens", "counter", ("tenant", "model", "kind"))
+                                 ("tenant", "model", "status", "adapter"))
+        self._tokens = _metric(Counter, "tenant_tokens", "counter",
+                               ("tenant", "model", "kind", "adapter"))
         self._queued = _metric(Gauge, "router_queued", "gauge", ("model", "priority"))
         self._ttft = _metric(Histogram, "tenant_ttft", "histogram", ("tenant", "model"),
                              boundaries=LATENCY_BUCKETS_S)
@@ -125,7 +126,8 @@ class TenantGate:
         """The tenant of an ``Authorization`` header, or a 401 (the key is never echoed)."""
         tenant = self.keys.resolve(authorization)
         if tenant is None:
-            self._requests.inc(tags={"tenant": "unauthenticated", "model": "", "status": "401"})
+            self._requests.inc(tags={"tenant": "unauthenticated", "model": "", "status": "401",
+                                     "adapter": ""})
             msg = ("Incorrect API key provided." if authorization else
                    "Missing API key: send `Authorization: Bearer <key>`.")
             raise OpenAIError(401, msg, code="invalid_api_key")
@@ -212,13 +214,13 @@ class TenantGate:
             self.budgets.release(tenant.name, release)
 
     def finish(self, tenant: Tenant, model: str, status: int, prompt_tokens: int = 0,
-               completion_tokens: int = 0) -> None:
+               completion_tokens: int = 0, adapter: str = "") -> None:
         """Count one ended request in the tenant metrics: its status and tokens (the quota and
-        the budget were charged as the tokens flowed: :meth:`charge_tokens`)."""
-        self._requests.inc(tags={"tenant": tenant.name, "model": model, "status": str(status)})
+        the budget were charged as the tokens flowed: :meth:`charge_tokens`); ``adapter``: the
+        LoRA adapter it ran with on ``model`` ("" for the base model)."""
+        tags = {"tenant": tenant.name, "model": model, "adapter": adapter}
+        self._requests.inc(tags={**tags, "status": str(status)})
         if prompt_tokens:
-            self._tokens.inc(prompt_tokens,
-                             tags={"tenant": tenant.name, "model": model, "kind": "prompt"})
+            self._tokens.inc(prompt_tokens, tags={**tags, "kind": "prompt"})
         if completion_tokens:
-            self._tokens.inc(completion_tokens,
-                             tags={"tenant": tenant.name, "model": model, "kind": "completion"})
+            self._tokens.inc(completion_tokens, tags={**tags, "kind": "completion"})

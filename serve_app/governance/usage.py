@@ -2,7 +2,8 @@
 
 Written by each router replica through Python logging (:class:`UsageLog`) to a rotating file of
 its own (``usage-<replica>.jsonl``; several processes rotating one file would lose lines) and,
-if asked, to its stdout. A line holds the request's time, id, tenant, model, priority, prompt,
+if asked, to its stdout. A line holds the request's time, id, tenant, model (an adapter's
+request: its base model, and the adapter's name in ``adapter``, else null), priority, prompt,
 completion and cached prompt tokens (null where the engine does not report them), HTTP status,
 finish reason, queue wait, time to first token and duration. Every request that reached an
 engine has one with the tokens it was charged, including a request whose client left (status
@@ -32,7 +33,7 @@ from typing import Any, Iterable, Iterator
 from serve_app.config import UsageSettings
 
 # Every key a usage line has, in order: the record is built from these and nothing else.
-FIELDS = ("time", "request_id", "tenant", "model", "priority", "prompt_tokens",
+FIELDS = ("time", "request_id", "tenant", "model", "adapter", "priority", "prompt_tokens",
           "completion_tokens", "cached_tokens", "status", "finish_reason", "queue_wait_s",
           "ttft_s", "duration_s", "stream", "n", "prompt_estimated")
 FILE_PREFIX = "usage-"
@@ -147,7 +148,8 @@ class UsageTotal:
 def summarize(records: Iterable[dict[str, Any]], since: datetime | None = None,
               tenant: str | None = None) -> dict[tuple[str, str], UsageTotal]:
     """Totals per (tenant, model) of ``records`` at or after ``since``, of ``tenant`` only if
-    given. A request counts as an error when its status is not 200."""
+    given; an adapter's requests count under the adapter's name (the id the tenant asked
+    for). A request counts as an error when its status is not 200."""
     totals: dict[tuple[str, str], UsageTotal] = {}
     for rec in records:
         if tenant is not None and rec.get("tenant") != tenant:
@@ -159,7 +161,8 @@ def summarize(records: Iterable[dict[str, Any]], since: datetime | None = None,
                 continue
             if when < since:
                 continue
-        t = totals.setdefault((str(rec.get("tenant")), str(rec.get("model"))), UsageTotal())
+        model = str(rec.get("adapter") or rec.get("model"))
+        t = totals.setdefault((str(rec.get("tenant")), model), UsageTotal())
         t.requests += 1
         t.errors += rec.get("status") != 200
         t.prompt_tokens += int(rec.get("prompt_tokens") or 0)

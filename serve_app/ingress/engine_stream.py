@@ -1,18 +1,21 @@
 """Reading one request's Serve stream from its LLMServer replica: the first chunk (the engine's
 refusal of the request becomes its 4xx; a cold start is bounded, and ends at once when the
 model's replica cannot be placed) and, for a non-streamed
-answer, the rest of the chunks into its response builder, the tenant's charge told of each."""
+answer, the rest of the chunks into its response builder, the tenant's charge told of each;
+for a streamed one, its SSE bytes (:func:`sse_events`)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from ray.serve.handle import DeploymentResponseGenerator
 
 from serve_app.engine.protocol import EngineRequestError, GenerationChunk
+from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
 from serve_app.ingress.errors import OpenAIError
 from serve_app.ingress.responses import ResponseBuilder
 
@@ -109,3 +112,42 @@ def _engine_error(exc: BaseException) -> EngineRequestError | None:
             return None
         seen = getattr(seen, "cause", None) or seen.__cause__
     return None
+
+
+async def sse_events(gen: DeploymentResponseGenerator, first: GenerationChunk,
+                     ticket: ChannelTicket | None, channels: ModelChannels | None,
+                     builder: ResponseBuilder, include_usage: bool,
+                     end: Callable[[int], None],
+                     flow: Flow | None = None) -> AsyncIterator[bytes]:
+    """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
+    ``flow`` is told the request's token counts as each chunk arrives (its charge); the
+    tenant is charged what was generated, however the stream ended."""
+    status = 499  # until the stream completes or fails: the client went away
+    flow = flow or no_flow
+    try:
+        yield builder.events(first)
+        if not first.finished:
+            if ticket is not None and channels is not None:
+                # Only once the first event is out: after a replica's idle close this
+                # opens a channel (a Serve call), which sat on the request's TTFT; the
+                # chunks wait in the replica's outbox meanwhile.
+                channels.attach(ticket, first.replica)
+                async for chunk in chunks_after_first(gen, ticket):
+                    events = builder.events(chunk)
+                    flow(builder.prompt_tokens, builder.completion_tokens)
+                    yield events
+            else:
+                async for wire in gen:
+                    events = builder.events(GenerationChunk.from_wire(wire))
+                    flow(builder.prompt_tokens, builder.completion_tokens)
+                    yield events
+        yield builder.final_events(include_usage)
+        status = 200
+    except Exception:
+        status = 503
+        logger.exception("stream failed mid-way")
+        err = {"error": {"message": "the stream was interrupted by a server fault",
+                         "type": "server_error", "param": None, "code": None}}
+        yield b"data: " + json.dumps(err).encode() + b"\n\n"
+    finally:
+        end(status)

@@ -3,7 +3,8 @@
 1. **authenticate**: API key -> tenant, by the live tenant list
    (:meth:`serve_app.governance.live_config.LiveTenants.authenticate`; 401);
 2. **read**: a bounded body, validated into its OpenAI model (:mod:`serve_app.ingress.http`;
-   400/413), and the model resolved for the tenant (404);
+   400/413), and the model (or adapter: :mod:`serve_app.governance.adapters`) resolved for the
+   tenant (404);
 3. **quota**: the tenant's token budget, reserving the request's most from it, and its rate
    and token limits, the latter for the whole app through the quota actor's leases
    (:meth:`Charge.reserve <serve_app.governance.accounting.Charge.reserve>`; 429 + Retry-After,
@@ -32,11 +33,9 @@ the engine's work with it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -60,12 +59,12 @@ from serve_app.governance.accounting import (
     record_usage,
 )
 from serve_app.governance.budgets import BudgetSync
-from serve_app.ingress.channels import ChannelTicket, ModelChannels, chunks_after_first
+from serve_app.ingress.channels import ChannelTicket, ModelChannels
 from serve_app.ingress.engine_stream import (
     collect_chunks,
     first_chunk,
     first_chunk_of_cold_start,
-    no_flow,
+    sse_events,
     no_replica_error,
 )
 from serve_app.ingress.errors import OpenAIError
@@ -145,9 +144,11 @@ class RequestPipeline:
         slot, charge = Slot(), None
         try:
             req = await self._read(http_request, model_cls)
+            builder = ResponseBuilder(kind, f"{id_prefix}{uuid.uuid4().hex}", req.model, req.n)
+            # A tenant's adapter runs on its base model: req.model becomes the base's name.
+            progress.adapter = self.tenants.adapters.route(req, tenant)
             # Only served names become metric labels: client strings must not grow the series.
             label = req.model if req.model in self.streams else "unknown"
-            builder = ResponseBuilder(kind, f"{id_prefix}{uuid.uuid4().hex}", req.model, req.n)
             progress.stream = req.stream
             rt.request(tenant, label, builder.request_id)
             charge = Charge(self.gate, tenant, estimate_prompt_tokens(req), completion_limit(
@@ -203,7 +204,7 @@ class RequestPipeline:
             else (0, 0)
         prompt, completion, service = (0, 0, 0.0) if charge is None \
             else charge.settle(status, *counts)
-        self.gate.finish(tenant, label, status, prompt, completion)
+        self.gate.finish(tenant, label, status, prompt, completion, progress.adapter_name)
         slot.release(service)
         (rt or tracing.NO_TRACE).finish(status, prompt, completion, progress.cached_tokens)
         record_usage(self.usage, tenant, label, status, builder, prompt, completion, progress,
@@ -278,6 +279,7 @@ class RequestPipeline:
         charge.admitted(controller.queue, charge.expected_service)
         generation = req.to_generation(builder.request_id)
         generation.cache_salt = tenant.cache_salt  # from the tenant, never from the client
+        generation.adapter = progress.adapter
         generation.priority = slot.priority
         generation.stream = req.stream
         generation.trace_context = tracing.current().dispatch()
@@ -361,41 +363,5 @@ class RequestPipeline:
         headers.update(self.gate.ratelimit_headers(tenant))
         return JSONResponse(builder.body(), headers=headers)
 
-    @staticmethod
-    async def _sse(gen: DeploymentResponseGenerator, first: GenerationChunk,
-                   ticket: ChannelTicket | None, channels: ModelChannels | None,
-                   builder: ResponseBuilder, include_usage: bool,
-                   end: Callable[[int], None],
-                   flow: Callable[[int, int], None] | None = None) -> AsyncIterator[bytes]:
-        """SSE bytes for the stream; closing this generator (client gone) aborts the engine.
-        ``flow`` is told the request's token counts as each chunk arrives (its charge); the
-        tenant is charged what was generated, however the stream ended."""
-        status = 499  # until the stream completes or fails: the client went away
-        flow = flow or no_flow
-        try:
-            yield builder.events(first)
-            if not first.finished:
-                if ticket is not None and channels is not None:
-                    # Only once the first event is out: after a replica's idle close this
-                    # opens a channel (a Serve call), which sat on the request's TTFT; the
-                    # chunks wait in the replica's outbox meanwhile.
-                    channels.attach(ticket, first.replica)
-                    async for chunk in chunks_after_first(gen, ticket):
-                        events = builder.events(chunk)
-                        flow(builder.prompt_tokens, builder.completion_tokens)
-                        yield events
-                else:
-                    async for wire in gen:
-                        events = builder.events(GenerationChunk.from_wire(wire))
-                        flow(builder.prompt_tokens, builder.completion_tokens)
-                        yield events
-            yield builder.final_events(include_usage)
-            status = 200
-        except Exception:
-            status = 503
-            logger.exception("stream failed mid-way")
-            err = {"error": {"message": "the stream was interrupted by a server fault",
-                             "type": "server_error", "param": None, "code": None}}
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
-        finally:
-            end(status)
+    # The stream's SSE bytes (serve_app/ingress/engine_stream.py), where the tests reach it.
+    _sse = staticmethod(sse_events)

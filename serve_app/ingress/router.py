@@ -107,13 +107,21 @@ class OpenAIRouter:
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:
+        """The models and the LoRA adapters the tenant may use (an adapter's ``parent``: its
+        base model); the rest do not exist for it."""
         tenant = await self.tenants.authenticate(request.headers.get("authorization"))
-        return {"object": "list",
-                "data": await self.cards.cards(self.pipeline.visible(tenant))}
+        models = self.pipeline.visible(tenant)
+        cards = dict(zip(models, await self.cards.cards(models)))
+        table = self.tenants.adapters
+        return {"object": "list", "data": [*cards.values(), *(
+            table.card(a, cards[a.model]) for a in table.visible(tenant) if a.model in cards)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(self, model: str, request: Request) -> dict[str, Any]:
         tenant = await self.tenants.authenticate(request.headers.get("authorization"))
+        adapter = self.tenants.adapters.for_tenant(model, tenant)
+        if adapter is not None:
+            return self.tenants.adapters.card(adapter, await self.cards.card(adapter.model))
         self.pipeline.model_handle(model, tenant)  # 404 unless served and allowed
         return await self.cards.card(model)
 
@@ -141,7 +149,8 @@ class OpenAIRouter:
                        "per_replica": [
                            {"replica": r.replica, "node": r.node, "active": r.active,
                             "running": r.running, "waiting": r.waiting,
-                            "requests_total": r.requests_total}
+                            "requests_total": r.requests_total,
+                            "adapters": list(r.adapters)}
                            for r in p.feeds[name].replicas],
                        "engine_waiting": sum(r.waiting for r in p.feeds[name].replicas),
                        "engine_running": sum(r.running for r in p.feeds[name].replicas),

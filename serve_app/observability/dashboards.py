@@ -39,6 +39,12 @@ TTFT = "ray_serve_app_tenant_ttft_seconds"
 SLO_BUCKET = f'le="{TTFT_SLO_S}"'
 
 
+def _base_as_adapter(expr: str) -> str:
+    """``expr`` with the base model's series (no ``adapter`` label: the router records "",
+    which Prometheus drops) named ``(base)``, so every series has the legend's label."""
+    return f'label_replace({expr}, "adapter", "(base)", "adapter", "")'
+
+
 def _sel(name: str, suffix: str = "", match: str = "") -> str:
     """Series ``name`` + ``suffix`` (``_bucket``, ``_sum``, ``_count``) restricted to the
     dashboard's `model` variable where the metric has a model, plus the ``match`` matchers."""
@@ -69,6 +75,8 @@ def serving_dashboard() -> dict[str, Any]:
     """The serving path: requests, errors, TTFT, tokens/s, engine running/waiting, tenants."""
     rate = "[$__rate_interval]"
     hits_rate = f"rate({_sel('ray_vllm_prefix_cache_hits_total')}{rate})"
+    # Requests refused before a model was read (401) have no model: not in the adapter panel.
+    by_adapter = _sel("ray_serve_app_tenant_requests_total", match='model!=""')
     queries_rate = f"rate({_sel('ray_vllm_prefix_cache_queries_total')}{rate})"
     panels = [
         _panel(1, "Requests per second by status code",
@@ -237,6 +245,19 @@ def serving_dashboard() -> dict[str, Any]:
                  f"(rate({_sel('ray_vllm_request_success_total')}{rate}))",
                  "{{model_name}} {{ReplicaId}}")], "reqps", 12, 104,
                "How evenly the routers spread the requests over a model's engine replicas."),
+        _panel(29, "Requests per second by LoRA adapter and tenant",
+               [(_base_as_adapter(f"sum by (model, adapter, tenant) (rate({by_adapter}"
+                                  f"{rate}))"), "{{model}}/{{adapter}} {{tenant}}")],
+               "reqps", 0, 112,
+               "Each adapter's requests by the tenant that sent them (models.*.adapters: "
+               "its owners, or every tenant for a public one); (base) is the model alone."),
+        _panel(30, "Tokens per second by LoRA adapter",
+               [(_base_as_adapter(f"sum by (model, adapter, kind) "
+                                  f"(rate({_sel('ray_serve_app_tenant_tokens_total')}"
+                                  f"{rate}))"), "{{model}}/{{adapter}} {{kind}}")],
+               "short", 12, 112,
+               "Prompt and completion tokens per adapter: the share of the base model's "
+               "engines each fine-tune takes."),
     ]
     return {
         "uid": "serve-app-serving",

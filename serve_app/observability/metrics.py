@@ -66,9 +66,11 @@ METRICS: dict[str, Metric] = {
                "Replica starts by deployment (scale-ups, redeploys and restarts after a "
                "failure)."),
         Metric("ray_serve_app_tenant_requests_total", "counter", "router",
-               "Requests per tenant, model and HTTP status (429 = over quota, 401 = bad key)."),
+               "Requests per tenant, model and HTTP status (429 = over quota, 401 = bad key); "
+               "adapter: the LoRA adapter a request ran with on the model (\"\": the base)."),
         Metric("ray_serve_app_tenant_tokens_total", "counter", "router",
-               "Prompt and completion tokens per tenant and model (kind = prompt|completion)."),
+               "Prompt and completion tokens per tenant, model and LoRA adapter (\"\": the base "
+               "model; kind = prompt|completion)."),
         Metric("ray_serve_app_tenant_ttft_seconds", "histogram", "router",
                "Per tenant: request arrival at the router -> first token, router queue "
                "included (what the tenant experiences)."),

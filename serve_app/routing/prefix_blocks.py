@@ -7,7 +7,8 @@ A prompt is cut into blocks as the router can see them without a tokenizer (the 
 as one text (role and content in order: a chat template renders a conversation's leading
 messages the same whatever follows, so turn k+1's text begins with turn k's). Block i's hash
 covers the tenant's cache salt and blocks 0..i (each hash is chained on its parent's), as vLLM's
-block hashes do: two prompts share block i's hash only when they share the salt and everything
+block hashes do (a LoRA adapter's name joins the salt: vLLM's hashes cover the adapter too):
+two prompts share block i's hash only when they share the salt and everything
 up to the end of block i, so the longest run of a prompt's hashes that a replica holds is the
 prefix it has cached (in the router's cut; a block of the engine's is a few tokens off at the
 edges, which only shortens a match by a block).
@@ -64,6 +65,8 @@ class BlockHasher:
     def of(self, request: GenerationRequest) -> PromptBlocks:
         """The hashes of ``request`` (pure; costs at most ``max_blocks`` block hashes)."""
         salt = (request.cache_salt or "").encode()
+        if request.adapter is not None:  # vLLM's block hashes include the adapter too
+            salt += b"\0lora:" + request.adapter[0].encode()
         root = _root(salt)
         if request.prompt_token_ids is not None:
             blocks = _chain(root, _TOKENS, self._token_blocks(request.prompt_token_ids))

@@ -15,6 +15,13 @@ chat template. The router holds no tokenizer, so:
   first messages agree agree on the leading characters of this text, as they do on the
   leading tokens of the rendered prompt.
 
+A request for a LoRA adapter (``request.adapter``) is keyed by the adapter alone, whatever
+its tenant and prompt: every router sends an adapter's requests to the same replica (the
+first of its rendezvous order within the load bound), where the adapter is loaded and its
+prompts' prefixes cached, instead of loading it on every replica (each one's ``max_loras``
+slots, swapped least recently used out); overflow spills to the next replica of the same
+order. The engine's prefix cache stays per tenant (the request's cache salt), as it is.
+
 The key covers the first ``prefix_blocks`` whole blocks, or as many whole blocks as the prompt
 has when it is shorter; a prompt under one block has no key (nothing worth keeping together:
 the request is spread by load). Two requests have the same key only with the same cache salt,
@@ -30,7 +37,7 @@ from dataclasses import dataclass
 
 from serve_app.engine.protocol import GenerationRequest
 
-_TEXT, _TOKENS, _CHAT = b"t", b"i", b"c"
+_TEXT, _TOKENS, _CHAT, _ADAPTER = b"t", b"i", b"c", b"a"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +59,12 @@ class PrefixKeyer:
         return self.block_tokens * self.chars_per_token
 
     def key(self, request: GenerationRequest | None) -> bytes | None:
-        """The key of ``request``, or None (no request, or a prompt shorter than one block)."""
+        """The key of ``request``, or None (no request, or a prompt shorter than one block
+        and no adapter)."""
         if request is None:
             return None
+        if request.adapter is not None:  # the adapter's replicas (the module docstring)
+            return _digest(b"", _ADAPTER, request.adapter[0].encode())
         salt = (request.cache_salt or "").encode()
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids

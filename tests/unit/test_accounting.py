@@ -19,6 +19,7 @@ from serve_app.engine.protocol import ChoiceDelta, GenerationChunk
 from serve_app.ingress.pipeline import RequestPipeline
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.governance.tenants import TenantGate
+from serve_app.governance.adapters import AdapterTable
 from serve_app.governance.keys import Tenant, key_digest, new_key
 
 MODEL = "m"
@@ -86,10 +87,11 @@ class Feed:
 
 
 class Tenants:
-    """LiveTenants' two members the pipeline uses."""
+    """LiveTenants' three members the pipeline uses."""
 
     def __init__(self, gate: TenantGate, tenant: Tenant) -> None:
         self.gate, self.tenant = gate, tenant
+        self.adapters = AdapterTable([])
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         return self.tenant

@@ -19,6 +19,7 @@ ONE_GPU = {"GPU": 1.0}
 EXPECTED = {
     "local-cpu.yaml": ([{"CPU": 1.0}], "PACK", 0.0, None, 1, 1, (1, 1)),
     "local-cpu-pp2.yaml": ([{"CPU": 2.0}], "PACK", 0.0, "mp", 1, 2, (1, 1)),
+    "local-cpu-lora.yaml": ([{"CPU": 1.0}], "PACK", 0.0, None, 1, 1, (1, 1)),
     "gpu-1.yaml": ([{"CPU": 2.0, "GPU": 1.0}], "PACK", 1.0, None, 1, 1, (1, 1)),
     "gpu-tp2.yaml": ([{"CPU": 2.0, "GPU": 1.0}, ONE_GPU], "STRICT_PACK", 0.0, "ray", 2, 1,
                      (1, 1)),
@@ -49,8 +50,16 @@ def test_deployment_file_topology(name, tmp_path, monkeypatch):
         tenants = tmp_path / "tenants.yaml"
         tenants.write_text("tenants:\n  - name: team-a\n    api_key_sha256: [" + "a" * 64 + "]\n")
         monkeypatch.setenv(TENANTS_FILE_ENV, str(tenants))
+    if name == "local-cpu-lora.yaml":
+        # Its adapter folder is written by `make model`, which unit tests do not need; the
+        # folder check has its own tests (test_lora_config.py).
+        from serve_app.config import app as config_app
+
+        monkeypatch.setattr(config_app, "check_adapter_folders", lambda cfg, source: None)
     cfg = load_config(DEPLOYMENTS / name)
     (model,) = cfg.models
+    if model.adapters:
+        assert engine_args_for(model)["enable_lora"] is True
     opts = llm_server_options(model)
     assert opts["placement_group_bundles"] == bundles
     assert opts["placement_group_strategy"] == strategy
