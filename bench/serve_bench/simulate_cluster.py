@@ -42,7 +42,7 @@ class SimRouter:
         self.admission = AdmissionController(COLD_START_PROBE, max_queued, policy="fair",
                                              first_request_slots=settings.headroom)
         policy = capacity_policy(settings.policy, headroom=settings.headroom,
-                                 kv_cache_high=settings.kv_cache_high, fixed_per_replica=32,
+                                 kv_cache_high=settings.kv_cache_high, fixed_per_replica=64,
                                  upper_bound=None)
         # The handle is never used: the simulation polls and calls apply itself.
         self.feed = EngineFeed("sim", None, self.admission, policy,  # type: ignore[arg-type]

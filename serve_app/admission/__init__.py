@@ -15,20 +15,23 @@ from serve_app.admission.engine_feedback import EngineFeedbackCapacity
 from serve_app.admission.fixed import FixedCapacity
 from serve_app.admission.policy import COLD_START_PROBE, CapacityPolicy
 
-# name -> factory(headroom, kv_cache_high, fixed_per_replica, upper_bound); fixed_per_replica is
+# name -> factory(headroom, kv_cache_high, fixed_per_replica, upper_bound, batch_reserve);
+# fixed_per_replica is
 # the model's max_ongoing_requests: Serve's limit per replica (engine_feedback plans within it;
 # fixed, the baseline, is that limit).
 CAPACITY_POLICIES: dict[str, Callable[..., CapacityPolicy]] = {
-    "engine_feedback": lambda *, headroom, kv_cache_high, fixed_per_replica, upper_bound:
-        EngineFeedbackCapacity(headroom, kv_cache_high, upper_bound,
-                               serve_limit=fixed_per_replica),
-    "fixed": lambda *, headroom, kv_cache_high, fixed_per_replica, upper_bound:
+    "engine_feedback": lambda *, headroom, kv_cache_high, fixed_per_replica, upper_bound,
+    batch_reserve: EngineFeedbackCapacity(headroom, kv_cache_high, upper_bound,
+                                          serve_limit=fixed_per_replica,
+                                          batch_reserve=batch_reserve),
+    "fixed": lambda *, headroom, kv_cache_high, fixed_per_replica, upper_bound, batch_reserve:
         FixedCapacity(fixed_per_replica, upper_bound),
 }
 
 
 def capacity_policy(name: str, *, headroom: int, kv_cache_high: float,
-                    fixed_per_replica: int, upper_bound: int | None) -> CapacityPolicy:
+                    fixed_per_replica: int, upper_bound: int | None,
+                    batch_reserve: int = 0) -> CapacityPolicy:
     """The policy configured as ``router.admission.policy`` (a name in
     :data:`CAPACITY_POLICIES`)."""
     try:
@@ -37,7 +40,8 @@ def capacity_policy(name: str, *, headroom: int, kv_cache_high: float,
         raise ValueError(f"unknown admission policy {name!r}; one of "
                          f"{sorted(CAPACITY_POLICIES)}") from None
     return factory(headroom=headroom, kv_cache_high=kv_cache_high,
-                   fixed_per_replica=fixed_per_replica, upper_bound=upper_bound)
+                   fixed_per_replica=fixed_per_replica, upper_bound=upper_bound,
+                   batch_reserve=batch_reserve)
 
 
 __all__ = ["CAPACITY_POLICIES", "COLD_START_PROBE", "CapacityPolicy", "capacity_policy"]

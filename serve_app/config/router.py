@@ -27,6 +27,15 @@ class AdmissionSettings(_Strict):
         "tenants with nothing in flight may be out beyond capacity at once (each then starts "
         "at the engine's next step, ahead of queued floods, by its engine priority).",
     )
+    batch_reserve: int = Field(
+        0, ge=0, description="Places of a full engine batch (`max_num_seqs`) the backlog leaves "
+        "free, with nothing of it waiting in the engine, for the first requests of idle tenants "
+        "(at most `headroom` of them are let in beyond capacity): such a request then starts at "
+        "the engine's next step instead of after a running request ends. Costs those places "
+        "while only the backlog runs, so it pays where the batch binds and is small: the CPU "
+        "configs set 2 of 64 (a quiet tenant's first token beside a flood: 224 -> 32 ms p50, "
+        "bench/RESULTS.md 42a); on a GPU the KV cache or the token budget binds first.",
+    )
     kv_cache_high: float = Field(
         0.95, gt=0, le=1, description="KV-cache use above which an engine counts as saturated: "
         "it gets what it runs, plus what its next step can start, plus `headroom` "

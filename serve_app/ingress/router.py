@@ -84,7 +84,8 @@ class OpenAIRouter:
                 capacity_policy(adm.policy, headroom=adm.headroom,
                                 kv_cache_high=adm.kv_cache_high,
                                 fixed_per_replica=m.max_ongoing_requests,
-                                upper_bound=settings.max_in_flight_per_model),
+                                upper_bound=settings.max_in_flight_per_model,
+                                batch_reserve=adm.batch_reserve),
                 adm, router_id, on_poll=gate.engines_polled)
             for m in config_.models}
         # Cards from the config and the feeds' view: listing models never wakes one at zero.

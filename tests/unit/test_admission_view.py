@@ -101,7 +101,7 @@ def feed(monkeypatch):
     def make(answer, router_id: str = "r1") -> tuple[EngineFeed, AdmissionController]:
         admission = AdmissionController(COLD_START_PROBE, 1000)
         policy = capacity_policy("engine_feedback", headroom=4, kv_cache_high=0.95,
-                                 fixed_per_replica=8, upper_bound=None)
+                                 fixed_per_replica=64, upper_bound=None)
         f = EngineFeed("m", _Handle(answer), admission, policy, AdmissionSettings(), router_id)
         return f, admission
 
@@ -152,7 +152,7 @@ def test_the_feed_reports_its_demand_and_takes_its_share_by_everyones(feed):
     # router id, queued, in flight, then the prefix index state it holds (none yet)
     assert feed.calls[-1] == ("r1", 3, 1, {})
     total = capacity_policy("engine_feedback", headroom=4, kv_cache_high=0.95,
-                            fixed_per_replica=8, upper_bound=None).capacity(
+                            fixed_per_replica=64, upper_bound=None).capacity(
         [_load("a", running=8)])
     assert capacity == router_share(total, "r1", {"r1": 4, "r2": 1000}) == 4
 

@@ -251,3 +251,28 @@ def test_capacity_stays_within_serves_limit_regression_quiet_tenant_waited_in_se
     registered = capacity_policy("engine_feedback", headroom=4, kv_cache_high=0.95,
                                  fixed_per_replica=64, upper_bound=None)
     assert registered.capacity([saturated("r4", 1)]) == 58
+
+
+def test_a_full_batch_keeps_places_for_first_requests_regression_quiet_tenant_waited_in_the_engines_queue():
+    """Regression (CPU default, issue 42, after Serve's limit was kept): with the batch
+    (max_num_seqs 64) full and the headroom of the backlog waiting in the engine, a quiet
+    tenant's first request waited there for places to free (132 ms p50, 224 ms to its first
+    token; 42a). With ``batch_reserve`` (the CPU configs: 2) the backlog fills the batch less
+    those places and nothing of it waits in the engine, so a first request the router lets in
+    beyond capacity starts at the next step."""
+    p = EngineFeedbackCapacity(4, 0.95, None, batch_reserve=2)
+    assert p.capacity([load(active=62, running=62, max_running=64)]) == 62
+    assert p.capacity([load(active=64, running=64, max_running=64)]) == 62
+    # Off by default: the full batch plus the headroom waiting inside the engine.
+    assert policy().capacity([load(active=64, running=64, max_running=64)]) == 68
+    # A batch no larger than twice the reserve keeps none: 4 of 4.
+    assert p.capacity([load(active=4, running=4, max_running=4)]) == 4 + 4
+    # The router passes the config's value on, and the CPU default sets it.
+    from serve_app.config import load_config
+
+    cfg = load_config("deployments/local-cpu.yaml")
+    assert cfg.router.admission.batch_reserve == 2
+    registered = capacity_policy("engine_feedback", headroom=4, kv_cache_high=0.95,
+                                 fixed_per_replica=96, upper_bound=None,
+                                 batch_reserve=cfg.router.admission.batch_reserve)
+    assert registered.capacity([load(active=64, running=64, max_running=64)]) == 62

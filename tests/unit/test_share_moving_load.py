@@ -29,7 +29,7 @@ class TwoRouters:
         self.admission = {rid: AdmissionController(1, 10_000) for rid in ("A", "B")}
         self.feeds = {rid: EngineFeed("m", None, a,  # type: ignore[arg-type]
                                       capacity_policy("engine_feedback", headroom=HEADROOM,
-                                                      kv_cache_high=0.95, fixed_per_replica=8,
+                                                      kv_cache_high=0.95, fixed_per_replica=2 * BATCH,
                                                       upper_bound=None), settings, rid)
                       for rid, a in self.admission.items()}
         self.reports: dict[str, int] = {}
