@@ -98,7 +98,7 @@ class GenerationRequest:
     # tracing is on (serve_app/observability/tracing.py); the replica passes it on to vLLM.
     trace_context: dict[str, str] | None = None
     # The LoRA adapter to run the request with, as the router's adapter table names it
-    # (serve_app/ingress/adapters.py): (name, id, path), builtins for the Ray hop. The id is
+    # (serve_app/governance/adapters.py): (name, id, path), builtins for the Ray hop. The id is
     # stable for a (model, name, path), so every replica and router agree on it and a
     # changed path is a new adapter to vLLM. None: the base model.
     adapter: tuple[str, int, str] | None = None
