@@ -111,9 +111,11 @@ bench: install model
 bench-agreement: install model
 	bash bench/with_local_stack.sh bash bench/agreement.sh
 
-# The router's fair queue against FIFO: a flooding and a light tenant (bench/RESULTS.md section 4).
+# The router's fair queue against FIFO: a flooding and a light tenant (bench/RESULTS.md section 4);
+# then a quiet tenant's first token beside a 96-way flood, with its breakdown (section 42a).
 bench-fairness: install model
 	bash bench/fairness.sh
+	bash bench/quiet_flood.sh
 
 # Faults and overload against a local stack (two engine replicas): disconnect storm, replica
 # kill, overload, slow readers; figures in bench/out/chaos/{chaos.json,chaos.md}, exit 1 if a bound is missed.
