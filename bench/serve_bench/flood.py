@@ -115,8 +115,13 @@ async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, ke
         ttfts.extend(first)
         if log is not None:
             gaps = [b - a for a, b in zip(chunks, chunks[1:])]
+            inside = phases.get("queue", 0.0) + phases.get("dispatch", 0.0)
             log.append({"sent_s": round(t0 - start_at, 3),
                         "ttft_ms": round(first[0] * 1000, 1) if first else None,
+                        # the client's TTFT less the stack's own account (router queue and
+                        # dispatch): the client's lag, the network and HAProxy
+                        "outside_stack_ms": round(first[0] * 1000 - inside, 1)
+                        if first and phases else None,
                         # the engine's step as this stream saw it (chunks may merge steps)
                         "itl_p50_ms": round(statistics.median(gaps) * 1000, 1) if gaps
                         else None,
@@ -155,6 +160,34 @@ async def _sample_engines(session: aiohttp.ClientSession, urls: list[str], stop_
         await asyncio.sleep(1.0)
 
 
+async def _loop_lag(stop_at: float, lags: list[float], every_s: float = 0.01) -> None:
+    """How late this client's event loop wakes a task (the flood's own load on the client):
+    a quiet request sent from the same loop waits that long before it is even sent."""
+    while time.monotonic() < stop_at:
+        t = time.monotonic()
+        await asyncio.sleep(every_s)
+        lags.append(time.monotonic() - t - every_s)
+
+
+def _quiet_process(args: argparse.Namespace, url: str, start_at: float, stop_at: float,
+                   seed: float, out: Any) -> None:
+    """The quiet tenant in a process of its own (``--quiet-process``): its requests are sent
+    and read by a loop the flood does not load. Puts (ttfts, errors, log) on ``out``."""
+    async def main() -> tuple[list[float], dict[str, int], list[dict[str, Any]]]:
+        ttfts: list[float] = []
+        errors: dict[str, int] = {}
+        log: list[dict[str, Any]] = []
+        lo, hi = (int(x) for x in args.token_range.split("-"))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                total=args.duration_s + 600)) as session:
+            await _quiet_worker(session, url, args.model, args.quiet_key, args.quiet_in,
+                                args.quiet_out, start_at, stop_at, random.Random(seed), ttfts,
+                                errors, (lo, hi), log)
+        return ttfts, errors, log
+
+    out.put(asyncio.run(main()))
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     url = args.base_url.rstrip("/") + "/v1/completions"
     rng = random.Random(args.seed)
@@ -182,13 +215,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         tasks = [asyncio.ensure_future(_flood_worker(
             session, url, args.model, args.flood_key, args.flood_in, args.flood_out, stop_at,
             random.Random(rng.random()), acc, ids)) for _ in range(args.flood_concurrency)]
-        tasks.append(asyncio.ensure_future(_quiet_worker(
-            session, url, args.model, args.quiet_key, args.quiet_in, args.quiet_out,
-            start + args.settle_s, stop_at, rng, quiet, quiet_err, ids, quiet_log)))
+        lags: list[float] = []
+        tasks.append(asyncio.ensure_future(_loop_lag(stop_at, lags)))
+        proc = None
+        if args.quiet_process:
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("spawn")
+            box = ctx.Queue()
+            proc = ctx.Process(target=_quiet_process, args=(
+                args, url, start + args.settle_s, stop_at, rng.random(), box), daemon=True)
+            proc.start()
+        else:
+            tasks.append(asyncio.ensure_future(_quiet_worker(
+                session, url, args.model, args.quiet_key, args.quiet_in, args.quiet_out,
+                start + args.settle_s, stop_at, rng, quiet, quiet_err, ids, quiet_log)))
         if args.metrics_url:
             tasks.append(asyncio.ensure_future(_sample_engines(session, args.metrics_url,
                                                                stop_at, samples)))
         await asyncio.gather(*tasks)
+        if proc is not None:
+            got_ttfts, got_err, got_log = await asyncio.to_thread(box.get, True, 120)
+            quiet.extend(got_ttfts)
+            quiet_err.update(got_err)
+            quiet_log.extend(got_log)
+            proc.join(30)
         elapsed = args.duration_s
     ms = lambda xs: [round(x * 1000, 1) for x in xs]  # noqa: E731
     during = [s for s in samples if s["t"] >= start + args.settle_s]
@@ -206,6 +257,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                       # median of each phase the stack reported per request
                                       "server_timing_p50_ms": _phase_medians(quiet_log),
                                       "requests": quiet_log},
+        "client": {"quiet_process": bool(args.quiet_process),
+                   "flood_loop_lag_ms": {"p50": _pct(ms(lags), 0.5), "p99": _pct(ms(lags), 0.99),
+                                         "max": max(ms(lags), default=None)},
+                   "quiet_outside_stack_ms": {
+                       "p50": _pct([r["outside_stack_ms"] for r in quiet_log
+                                    if r["outside_stack_ms"] is not None], 0.5),
+                       "max": max((r["outside_stack_ms"] for r in quiet_log
+                                   if r["outside_stack_ms"] is not None), default=None)}},
         "flood": {"completed": acc["ok"], "output_tok_s": round(acc["tokens"] / elapsed, 1),
                   "cut_at_end": acc["cut"], "errors": acc["errors"]},
         "engines": {"samples": len(during),
@@ -236,6 +295,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle-s", type=float, default=10.0,
                    help="flood time before the quiet tenant's measured requests start")
     p.add_argument("--alone-s", type=float, default=5.0, help="quiet tenant alone, first")
+    p.add_argument("--quiet-process", action="store_true",
+                   help="send the quiet tenant's requests from a process of their own, so the "
+                   "flood's load on this client's event loop does not delay them")
     p.add_argument("--metrics-url", action="append", default=[],
                    help="Prometheus text endpoint(s) with the engines' running/waiting gauges")
     p.add_argument("--seed", type=int, default=0)
@@ -257,5 +319,7 @@ def main(args: argparse.Namespace) -> int:
           f"a first token; stream step ~{q['itl_p50_ms']} ms; stack phases "
           f"{q['server_timing_p50_ms'] or '-'}); flood {f['output_tok_s']} out "
           f"tok/s, errors {f['errors']} {q['errors']}; engines running~{e['running_median']} "
-          f"waiting~{e['waiting_median']} (max {e['waiting_max']})")
+          f"waiting~{e['waiting_median']} (max {e['waiting_max']}); client: flood loop lag "
+          f"{result['client']['flood_loop_lag_ms']}, quiet outside the stack "
+          f"{result['client']['quiet_outside_stack_ms']}")
     return 0

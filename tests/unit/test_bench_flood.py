@@ -1,0 +1,70 @@
+"""`serve-app flood` against a small local server (aiohttp, no Ray): the quiet tenant sent from
+a process of its own, and the client's own share of its first-token time (the flood's load on
+the client's event loop; the time outside the stack's Server-Timing account)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from aiohttp import web
+
+from serve_bench import flood
+
+
+async def _serve() -> tuple[web.AppRunner, str]:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        await asyncio.sleep(0.02)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"index": 0, "text": "x"}],
+                                      "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Server-Timing": "queue;dur=1.5, dispatch;dur=4"})
+        await resp.prepare(request)
+        for _ in range(2):
+            await resp.write(f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n".encode())
+            await asyncio.sleep(0.005)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _args(url: str, quiet_process: bool) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    flood.add_arguments(p)
+    argv = ["--base-url", url, "--model", "m", "--flood-concurrency", "4", "--duration-s", "1.5",
+            "--settle-s", "0.2", "--alone-s", "0.3", "--token-range", "10-20"]
+    return p.parse_args(argv + (["--quiet-process"] if quiet_process else []))
+
+
+def test_the_quiet_tenant_from_its_own_process_and_the_clients_share_of_its_ttft():
+    async def scenario() -> tuple[dict, dict]:
+        runner, url = await _serve()
+        try:
+            return (await flood.run(_args(url, quiet_process=True)),
+                    await flood.run(_args(url, quiet_process=False)))
+        finally:
+            await runner.cleanup()
+
+    apart, together = asyncio.run(scenario())
+    for result, own in ((apart, True), (together, False)):
+        quiet = result["quiet_under_flood_ttft_ms"]
+        assert quiet["n"] >= 3 and quiet["errors"] == {} and result["flood"]["completed"] > 0
+        assert quiet["server_timing_p50_ms"] == {"queue": 1.5, "dispatch": 4.0}
+        client = result["client"]
+        assert client["quiet_process"] is own
+        assert client["flood_loop_lag_ms"]["p50"] is not None
+        # TTFT less the stack's 5.5 ms: what the server's sleep and the client added.
+        request = quiet["requests"][0]
+        assert request["outside_stack_ms"] == round(request["ttft_ms"] - 5.5, 1)
+        assert client["quiet_outside_stack_ms"]["max"] >= client["quiet_outside_stack_ms"]["p50"]
