@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The one-queue scenario on one GPU, every arm in one command: a tenant floods the endpoint with
-# FLOOD_C concurrent non-streaming requests (1024 in / 128 out) while a quiet tenant sends one
-# streamed request at a time (128 in / 16 out). Arms: bare `vllm serve` (same engine arguments,
+# The one-queue scenario on one GPU, every arm in one command: a tenant (or FLOOD_TENANTS of them)
+# floods the endpoint with FLOOD_C concurrent requests (1024 in / 128 out; non-streaming unless
+# FLOOD_STREAM) while a quiet tenant sends one streamed request at a time (128 in / 16 out), from
+# a client process of its own (`serve-app flood --quiet-process`). Arms: bare `vllm serve` (same engine arguments,
 # FCFS order since it gets no priorities), the stack with two tenants, and stack2 (the same with
 # two router replicas, HAProxy spreading the clients). Each arm's server starts once and runs
 # every load of LOADS in turn. Results under $OUT.
 # usage: bench/gpu_flood.sh [CONFIG] [DURATION_S]     (env: PYTHON, FLOOD_C, ARMS="bare stack",
 #   LOADS="FLOOD_IN/FLOOD_OUT/QUIET_IN/QUIET_OUT ..." (default "1024/128/128/16"),
+#   FLOOD_TENANTS=N (the flood split over N tenants), FLOOD_STREAM=1 (the flood streamed),
 #   ARM_BENCH="serve-app bench arguments" to also run the same benchmark against each arm's server
 #   after its flood (the stack's with the flood tenant's key): the throughput comparison of
 #   gpu_compare.sh without a second engine start per arm)
@@ -22,10 +24,15 @@ mkdir -p "$DIR"
 FLOOD_C=${FLOOD_C:-768}
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
 ensure_model "$CONFIG"
-FLOOD_KEY=$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")
+FLOOD_KEYS=()  # one per flooding tenant (FLOOD_TENANTS, 1 unless set)
+for _ in $(seq "${FLOOD_TENANTS:-1}"); do
+  FLOOD_KEYS+=("$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")")
+done
 QUIET_KEY=$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")
-# The stack's config: the deployment plus two tenants (throwaway keys), on loopback.
-$PY - "$CONFIG" "$FLOOD_KEY" "$QUIET_KEY" > "$DIR/stack-config.yaml" <<'PY'
+FLOOD_ARGS=""
+for k in "${FLOOD_KEYS[@]}"; do FLOOD_ARGS="$FLOOD_ARGS --flood-key $k"; done
+# The stack's config: the deployment plus the tenants (throwaway keys), on loopback.
+$PY - "$CONFIG" "$QUIET_KEY" "${FLOOD_KEYS[@]}" > "$DIR/stack-config.yaml" <<'PY'
 import sys
 from pathlib import Path
 
@@ -34,13 +41,14 @@ import yaml
 from serve_app.config import load_config
 from serve_app.governance.keys import key_digest
 
-path, flood, quiet = sys.argv[1:4]
+path, quiet, *floods = sys.argv[1:]
 cfg = yaml.safe_load(Path(path).read_text())
 cfg["models"][0]["path"] = load_config(path).models[0].path
 cfg.setdefault("router", {})["host"] = "127.0.0.1"
 cfg["router"]["server_timing"] = True  # per-request phases of the quiet tenant's first token
-cfg["tenants"] = [{"name": "flood", "api_key_sha256": [key_digest(flood)]},
-                  {"name": "quiet", "api_key_sha256": [key_digest(quiet)]}]
+cfg["tenants"] = [{"name": "flood" if len(floods) == 1 else f"flood-{i}",
+                   "api_key_sha256": [key_digest(k)]} for i, k in enumerate(floods)]
+cfg["tenants"].append({"name": "quiet", "api_key_sha256": [key_digest(quiet)]})
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
 $PY - "$DIR/stack-config.yaml" > "$DIR/stack2-config.yaml" <<'PY'
@@ -72,6 +80,7 @@ flood() {  # url arm key-args metrics-args: one flood per load of LOADS, labelle
     $PY -m serve_app.cli flood --base-url "$1" --model "$MODEL" --flood-concurrency "$FLOOD_C" \
       --flood-in "$fin" --flood-out "$fout" --quiet-in "$qin" --quiet-out "$qout" \
       --duration-s "$DUR" --settle-s "${SETTLE_S:-10}" --token-range "${TOKEN_RANGE:-1000-20000}" \
+      ${FLOOD_STREAM:+--flood-stream} --quiet-process \
       --label "$label" --out "$DIR/$label.json" $3 $4 2>&1 | tail -n 3 | tee "$DIR/$label.txt"
   done
 }
@@ -94,8 +103,8 @@ setsid $PY -m serve_app.cli run --config "$DIR/$arm-config.yaml" --port 8000 \
       > "$DIR/$arm-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \
-      flood http://127.0.0.1:8000 "$arm" "--flood-key $FLOOD_KEY --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" && \
-      arm_bench http://127.0.0.1:8000 "$arm" "--tenant flood:$FLOOD_KEY:1"
+      flood http://127.0.0.1:8000 "$arm" "$FLOOD_ARGS --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" && \
+      arm_bench http://127.0.0.1:8000 "$arm" "--tenant flood:${FLOOD_KEYS[0]}:1"
   fi
   stop $PID
   echo "$arm arm took $(( $(date +%s) - T0 ))s"

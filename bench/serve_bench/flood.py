@@ -7,7 +7,8 @@ the engines' running/waiting counts are sampled from a Prometheus text endpoint 
 ``/metrics`` for bare vLLM, Ray's metrics agents for the stack). Works against any OpenAI
 endpoint; keys are optional (bare vLLM has none).
 
-usage: serve-app flood --base-url URL --model M [--flood-key K --quiet-key K] [--metrics-url U ...]
+usage: serve-app flood --base-url URL --model M [--flood-key K ... --quiet-key K] [--flood-stream]
+    [--quiet-process] [--metrics-url U ...]
 """
 
 from __future__ import annotations
@@ -47,15 +48,26 @@ def _pct(values: list[float], q: float) -> float:
 
 async def _flood_worker(session: aiohttp.ClientSession, url: str, model: str, key: str | None,
                         n_in: int, n_out: int, stop_at: float, rng: random.Random,
-                        acc: dict[str, Any], ids: tuple[int, int]) -> None:
+                        acc: dict[str, Any], ids: tuple[int, int], stream: bool = False) -> None:
     """Keep one flood request in flight until ``stop_at``; the one still running then is cut
-    off (the client goes away), so the run ends on time and counts only what finished."""
+    off (the client goes away), so the run ends on time and counts only what finished.
+    ``stream``: streamed requests, their tokens read from the final usage chunk."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def one() -> None:
-        body = {"model": model, "prompt": _prompt(n_in, rng, ids), "max_tokens": n_out,
-                "ignore_eos": True, "temperature": 0.0}
+        body: dict[str, Any] = {"model": model, "prompt": _prompt(n_in, rng, ids),
+                                "max_tokens": n_out, "ignore_eos": True, "temperature": 0.0}
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
         async with session.post(url, json=body, headers=headers) as r:
+            if r.status == 200 and stream:
+                usage = None
+                async for line in r.content:
+                    if line.startswith(b"data: {") and b'"usage"' in line:
+                        usage = json.loads(line[6:]).get("usage") or usage
+                acc["ok"] += 1
+                acc["tokens"] += (usage or {}).get("completion_tokens", 0)
+                return
             data = await r.json(content_type=None)
             if r.status == 200:
                 acc["ok"] += 1
@@ -212,9 +224,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         samples: list[dict[str, float]] = []
         start = time.monotonic()
         stop_at = start + args.duration_s
+        keys = args.flood_key or [None]  # several: the flood's workers take them in turn
         tasks = [asyncio.ensure_future(_flood_worker(
-            session, url, args.model, args.flood_key, args.flood_in, args.flood_out, stop_at,
-            random.Random(rng.random()), acc, ids)) for _ in range(args.flood_concurrency)]
+            session, url, args.model, keys[i % len(keys)], args.flood_in, args.flood_out,
+            stop_at, random.Random(rng.random()), acc, ids, args.flood_stream))
+            for i in range(args.flood_concurrency)]
         lags: list[float] = []
         tasks.append(asyncio.ensure_future(_loop_lag(stop_at, lags)))
         proc = None
@@ -284,7 +298,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="endpoint, without /v1")
     p.add_argument("--model", required=True)
-    p.add_argument("--flood-key", default=None, help="API key of the flooding tenant")
+    p.add_argument("--flood-key", action="append", default=[],
+                   help="API key of a flooding tenant (repeat it: several tenants flood, the "
+                   "concurrency split evenly among them)")
+    p.add_argument("--flood-stream", action="store_true",
+                   help="the flood's requests streamed (their tokens from the usage chunk)")
     p.add_argument("--quiet-key", default=None, help="API key of the quiet tenant")
     p.add_argument("--flood-concurrency", type=int, default=768)
     p.add_argument("--flood-in", type=int, default=1024)

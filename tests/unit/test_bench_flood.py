@@ -13,9 +13,13 @@ from aiohttp import web
 from serve_bench import flood
 
 
+KEYS: set[str] = set()  # the Authorization headers the server saw
+
+
 async def _serve() -> tuple[web.AppRunner, str]:
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        KEYS.add(request.headers.get("Authorization", ""))
         await asyncio.sleep(0.02)
         if not body.get("stream"):
             return web.json_response({"choices": [{"index": 0, "text": "x"}],
@@ -26,6 +30,9 @@ async def _serve() -> tuple[web.AppRunner, str]:
         for _ in range(2):
             await resp.write(f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n".encode())
             await asyncio.sleep(0.005)
+        if body.get("stream_options", {}).get("include_usage"):
+            usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
+            await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -68,3 +75,22 @@ def test_the_quiet_tenant_from_its_own_process_and_the_clients_share_of_its_ttft
         request = quiet["requests"][0]
         assert request["outside_stack_ms"] == round(request["ttft_ms"] - 5.5, 1)
         assert client["quiet_outside_stack_ms"]["max"] >= client["quiet_outside_stack_ms"]["p50"]
+
+
+def test_a_streamed_flood_from_several_tenants():
+    """Issue 42's H200 shapes: the flood streamed, its concurrency split over three keys."""
+    async def scenario() -> dict:
+        runner, url = await _serve()
+        try:
+            args = _args(url, quiet_process=False)
+            args.flood_key, args.flood_stream = ["k1", "k2", "k3"], True
+            return await flood.run(args)
+        finally:
+            await runner.cleanup()
+
+    KEYS.clear()
+    result = asyncio.run(scenario())
+    done = result["flood"]["completed"]
+    assert done > 0 and result["flood"]["output_tok_s"] == round(3 * done / 1.5, 1)
+    assert {"Bearer k1", "Bearer k2", "Bearer k3"} <= KEYS
+    assert "flood_key" not in result["config"]  # keys stay out of the results
