@@ -3,7 +3,9 @@ serving the tiny model. Started once per session (about a minute) and shared by 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -188,6 +190,41 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s")
         time.sleep(interval_s)
+
+
+async def complete_recorded(client, base: str, model: str, key: str, tenant: str, ids: list,
+                            max_tokens: int, stream: bool = False) -> None:
+    """One completion as ``tenant`` (its ``key``) at ``base``; appends (tenant, request id) once
+    it is answered."""
+    body = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "stream": stream}
+    async with client.stream("POST", f"{base}/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status_code == 200, await r.aread()
+        await r.aread()
+        # The router's id leads X-Request-Id (Ray Serve appends its own after a comma); it is
+        # the id the engine saw.
+        ids.append((tenant, r.headers["x-request-id"].split(",")[0].strip()))
+
+
+@contextlib.contextmanager
+def sampled(read, every_s: float = 0.02):
+    """A list that a thread fills with ``read()`` every ``every_s`` while the block runs (the
+    router's admission state under a load, say); stopped and joined on the way out."""
+    samples: list = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            samples.append(read())
+            time.sleep(every_s)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
 
 
 def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,

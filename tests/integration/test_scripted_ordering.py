@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
-import time
 
 import httpx
 import pytest
 
-from .conftest import HEADROOM, start_scripted_app, wait_until
+from .conftest import HEADROOM, complete_recorded, sampled, start_scripted_app, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -55,15 +53,8 @@ def scripted(stack):
 async def _complete(client: httpx.AsyncClient, s, tenant: str, ids: list, stream: bool = False,
                     max_tokens: int = TOKENS) -> None:
     """One completion as ``tenant``; appends (tenant, request id) once it is answered."""
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": stream}
-    headers = {"Authorization": f"Bearer {s['keys'][tenant]}"}
-    async with client.stream("POST", f"{s['base']}/v1/completions", json=body,
-                             headers=headers) as r:
-        assert r.status_code == 200, await r.aread()
-        await r.aread()
-        # The router's id leads X-Request-Id (Ray Serve appends its own after a comma); it is
-        # the id the engine saw.
-        ids.append((tenant, r.headers["x-request-id"].split(",")[0].strip()))
+    await complete_recorded(client, s["base"], MODEL, s["keys"][tenant], tenant, ids,
+                            max_tokens, stream)
 
 
 # team-c's late requests: more than the places that flood requests ending in the engine's last
@@ -85,13 +76,6 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
     second had taken a place (arrival order, not the bands). Now the engine's step loop is held
     while they arrive, so no place frees until all of them wait in the router."""
     s = scripted
-    samples: list[dict] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            samples.append(s["state"]())
-            time.sleep(0.05)
 
     def held_total() -> int:  # requests the router holds: admitted (in the engine) or queued
         x = s["state"]()
@@ -142,13 +126,8 @@ def test_high_priority_starts_before_every_waiting_normal_request(scripted):
             await asyncio.gather(*flood, *late)
         return ids, mark, c_waiting
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with sampled(s["state"], every_s=0.05) as samples:
         ids, mark, c_waiting = asyncio.run(main())
-    finally:
-        stop.set()
-        sampler.join()
     tenant_of = {rid: tenant for tenant, rid in ids}
     order = [tenant_of.get(rid) for rid in s["started"]()]
     after = order[mark:]  # what started once the late tenants began to arrive

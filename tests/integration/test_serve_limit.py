@@ -11,13 +11,11 @@ same shape, small: a scripted-engine replica whose Serve limit is its batch.
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import httpx
 import pytest
 
-from .conftest import HEADROOM, start_scripted_app, wait_until
+from .conftest import HEADROOM, complete_recorded, sampled, start_scripted_app, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,13 +44,8 @@ def limited(stack):
 
 
 async def _complete(client: httpx.AsyncClient, s, tenant: str, ids: list) -> None:
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": TOKENS, "stream": True}
-    headers = {"Authorization": f"Bearer {s['keys'][tenant]}"}
-    async with client.stream("POST", f"{s['base']}/v1/completions", json=body,
-                             headers=headers) as r:
-        assert r.status_code == 200, await r.aread()
-        await r.aread()
-        ids.append((tenant, r.headers["x-request-id"].split(",")[0].strip()))
+    await complete_recorded(client, s["base"], MODEL, s["keys"][tenant], tenant, ids, TOKENS,
+                            stream=True)
 
 
 def test_a_quiet_request_waits_in_the_router_not_in_serve_regression_quiet_tenant_waited_in_serves_queue(limited):  # noqa: E501
@@ -65,13 +58,6 @@ def test_a_quiet_request_waits_in_the_router_not_in_serve_regression_quiet_tenan
     request with its own backoff, so a newcomer often overtakes; on the CPU default a quiet
     request that lost those races waited up to the backoff's 1 s cap (42a)."""
     s = limited
-    samples: list[dict] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            samples.append(s["state"]())
-            time.sleep(0.02)
 
     async def main() -> tuple[list, int]:
         ids: list = []
@@ -85,13 +71,8 @@ def test_a_quiet_request_waits_in_the_router_not_in_serve_regression_quiet_tenan
             await asyncio.gather(*flood)
         return ids, mark
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with sampled(s["state"]) as samples:
         ids, mark = asyncio.run(main())
-    finally:
-        stop.set()
-        sampler.join()
     tenant_of = {rid: tenant for tenant, rid in ids}
     after = [tenant_of.get(rid) for rid in s["started"]()][mark:]
     assert after.count("team-c") == 1 and after.count("team-a") >= BATCH, after

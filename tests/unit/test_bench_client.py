@@ -12,6 +12,8 @@ from aiohttp import web
 from serve_bench.client import Target, run_concurrency
 from serve_bench.workload import Tenant, iter_plan, plan
 
+from .local_http import serve_completions
+
 TENANTS = [Tenant("default", None, 1.0)]
 
 
@@ -37,14 +39,8 @@ async def _serve(delay_s: float) -> tuple[web.AppRunner, str, dict]:
             state["in_flight"] -= 1
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}", state
+    runner, url = await serve_completions(completions)
+    return runner, url, state
 
 
 def test_lazy_plan_is_the_listed_plan():

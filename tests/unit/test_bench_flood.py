@@ -12,6 +12,8 @@ from aiohttp import web
 
 from serve_bench import flood
 
+from .local_http import serve_completions
+
 
 KEYS: set[str] = set()  # the Authorization headers the server saw
 
@@ -36,14 +38,7 @@ async def _serve() -> tuple[web.AppRunner, str]:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_completions(completions)
 
 
 def _args(url: str, quiet_process: bool) -> argparse.Namespace:
