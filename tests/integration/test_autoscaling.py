@@ -216,6 +216,7 @@ def test_idle_model_returns_to_zero(scaled):
     print(f"\nidle model at zero replicas {time.monotonic() - t0:.1f} s later")
 
 
+@pytest.mark.long  # 32 s: the make-test tier keeps the first burst from zero (above)
 def test_a_model_back_at_zero_serves_a_second_burst_regression_stale_view(scaled):
     """After the model went back to zero, a second burst from zero: the router's view of the
     model is empty (not the last replicas it saw, whose capacity let a burst skip the fair
