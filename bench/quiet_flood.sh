@@ -48,5 +48,5 @@ METRICS=$("$PY" -c "import json; print(' '.join('--metrics-url http://%s/metrics
   --flood-key "$FLOOD_KEY" --quiet-key "$QUIET_KEY" --flood-concurrency "${FLOOD_C:-96}" \
   --flood-in "${FLOOD_IN:-128}" --flood-out "${FLOOD_OUT:-128}" --quiet-in 64 --quiet-out 8 \
   --duration-s "${DURATION_S:-30}" --settle-s 8 --alone-s "${ALONE_S:-20}" --token-range 10-500 \
-  --quiet-process $METRICS --out "$OUT/quiet-flood.json" --label "quiet beside flood" 2>&1 | tail -n 1 \
-  | tee "$OUT/quiet-flood.txt"
+  --quiet-process $METRICS --out "$OUT/quiet-flood.json" --label "quiet beside flood" 2>&1 \
+  | grep "^quiet beside flood:" | tee "$OUT/quiet-flood.txt"
