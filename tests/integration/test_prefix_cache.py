@@ -114,9 +114,27 @@ def app(stack):
         """The three replicas' ids (a router whose feed has not started yet knows none)."""
         return wait_until(lambda: len(x := counts()) == 3 and sorted(x), 30)
 
+    def state() -> list[dict]:
+        return router.admission_state.remote().result(timeout_s=30)[MODEL]["per_replica"]
+
+    def quiet() -> None:
+        """Wait until the feed shows every replica holding nothing, on several reads in a row
+        (the handle picks a router each time, so both routers' feeds are read): a request
+        whose response has arrived may still count on its replica for a poll, and the policy
+        sends a request cached nowhere to the least-loaded replica."""
+        in_a_row = [0]
+
+        def empty() -> bool:
+            held = [max(r["active"], r["running"] + r["waiting"]) for r in state()]
+            in_a_row[0] = in_a_row[0] + 1 if len(held) == 3 and not any(held) else 0
+            return in_a_row[0] >= 6
+        wait_until(empty, 30, FEED_POLL_S)
+
     def busy(replica: str, n: int = 3) -> ThreadPoolExecutor:
         """``n`` long requests (4 s each) on ``replica``: a session key whose rendezvous order
-        names it, the first request alone until the routers know the session is there."""
+        names it, sent with every replica idle, the first request alone until the routers
+        know the session is there."""
+        quiet()
         ids_now = ids()
         key = next(k for k in (f"busy-{i}" for i in range(1000))
                    if _first_choice(ids_now, prompt="x", session=k) == replica)
@@ -124,9 +142,15 @@ def app(stack):
         body = {"prompt": f"busy work {time.monotonic()}", "prompt_cache_key": key,
                 "max_tokens": 200, "ignore_eos": True}
         futures = [pool.submit(post, **body)]
-        time.sleep(1.0)  # started, recorded by the replica, polled by both routers
+
+        def on(rid: str, at_least: int) -> bool:
+            return any(r["replica"] == rid and r["active"] >= at_least for r in state())
+        # Started, recorded by the replica and seen on the feed (both routers poll it).
+        wait_until(lambda: on(replica, 1) or any(on(r, 1) for r in ids_now), 30, FEED_POLL_S)
+        assert on(replica, 1), ("the busy work did not start on its replica", replica, state())
+        time.sleep(SETTLE_S)  # several polls of the other router too
         futures += [pool.submit(post, **body) for _ in range(n - 1)]
-        time.sleep(0.5)
+        wait_until(lambda: on(replica, n), 30, FEED_POLL_S)
         pool.futures = futures  # type: ignore[attr-defined]
         return pool
 
@@ -134,7 +158,7 @@ def app(stack):
         """Wait for the busy requests to end and the routers' feeds to see it."""
         assert all(f.result().status_code == 200 for f in pool.futures)  # type: ignore[attr-defined]
         pool.shutdown()
-        time.sleep(SETTLE_S)
+        quiet()
 
     last: list[object] = []
 
@@ -151,10 +175,9 @@ def app(stack):
         wait_until(ready, 240, 0.5)
     except AssertionError:
         raise AssertionError(f"the three-replica app is not ready: {last}") from None
-    def state() -> list[dict]:
-        return router.admission_state.remote().result(timeout_s=30)[MODEL]["per_replica"]
 
     yield {"send": send, "busy": busy, "idle": idle, "counts": counts, "ids": ids, "state": state,
+           "quiet": quiet,
            "sessions": {}}
     serve.delete(APP)
 
@@ -219,7 +242,7 @@ def test_removing_a_replica_moves_only_its_prefixes(app):
                 if a.name and a.name.endswith(f"#{third}")]
     ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
     wait_until(lambda: (x := app["counts"]()) and third not in x and len(x) == 3, 120, 0.5)
-    time.sleep(SETTLE_S)
+    app["quiet"]()
     moved = app["send"](messages=s3[1], prompt_cache_key=key)
     assert moved != third
     assert app["send"](messages=_turns("s1", 7)[-1]) == s1
