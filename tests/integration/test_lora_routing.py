@@ -98,8 +98,11 @@ def test_an_adapters_requests_follow_its_replica_and_spill_past_the_bound(app):
     assert spread[home] > MARGIN and spread[other] > 0, spread
     wait_until(lambda: s["replicas"]()[other]["adapters"] == [ADAPTER], 30, 0.05)
 
-    # The burst over, both hold it; one at a time they all go to the first holder again
-    # (the other's LRU would drop it as other adapters come).
+    # The burst over (the view counts no request on either replica), both hold it; one at a
+    # time they all go to the first holder again (the other's LRU would drop it as other
+    # adapters come).
+    wait_until(lambda: all(r["active"] == 0 and r["running"] + r["waiting"] == 0
+                           for r in s["replicas"]().values()), 30, 0.05)
     for _ in range(6):
         assert s["send"]() == 200
     after = wait_until(lambda: _settled(s, 6, burst), 30, 0.05)
