@@ -23,9 +23,12 @@ choose alike. For a request naming adapter A, among the candidates:
 * Every holder past the bound and ``adapter_replicas`` of them: the least-loaded holder (the
   request waits there rather than load A on one more replica). Reason ``affinity``.
 
-Loads are those the engine feed reports (:meth:`PrefixIndex.load`, fresh within a poll, the
-same on every router), else Serve's queue length of the candidate; unknown counts as within
-the bound. The wrapped policy's key is still computed for an adapter's request
+A replica's load is the higher of the engine feed's figure (:meth:`PrefixIndex.load`: the same
+on every router, fresh within a poll; it counts this router's sends since the poll only where
+the wrapped policy tells the index, as ``prefix_cache`` does) and Serve's queue length of the
+candidate (this router's own, counting its latest sends; given where the wrapped policy reads
+it, as ``prefix_affinity`` does): within a burst between two polls, the feed alone would send
+every request to the adapter's first replica. Unknown counts as within the bound. The wrapped policy's key is still computed for an adapter's request
 (``prefix_cache`` writes its hashes into the request for the serving replica's record).
 """
 
@@ -87,8 +90,7 @@ class AdapterPlacement:
         if not candidates:
             return Choice("cold")
         index = self.index()
-        load = {c.replica_id: (index.load(c.replica_id) if index.load(c.replica_id) is not None
-                               else c.load) for c in candidates}
+        load = {c.replica_id: _higher(index.load(c.replica_id), c.load) for c in candidates}
         order = rendezvous_order(key.digest, list(load))
         holders = [rid for rid in order if index.holds_adapter(rid, key.name)]
         holders = holders[:self.adapter_replicas] or order[:1]
@@ -116,3 +118,8 @@ class AdapterPlacement:
         least = min(holders, key=lambda rid: (load[rid] if load[rid] is not None else 0,
                                               holders.index(rid)))
         return Choice("affinity", ranked(least))
+
+
+def _higher(a: int | None, b: int | None) -> int | None:
+    """The higher of two load figures, either of which may be unknown (None)."""
+    return b if a is None else a if b is None else max(a, b)

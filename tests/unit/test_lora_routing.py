@@ -158,3 +158,14 @@ def test_two_routers_that_read_the_same_view_place_alike():
         _view(index, {REPLICAS[1]: 20}, {REPLICAS[1]: ("tune",)})
     assert all(_pick(one, adapter=f"a{i}") == _pick(two, adapter=f"a{i}") for i in range(8))
     assert _pick(one) == _pick(two)
+
+
+def test_serves_queue_lengths_count_a_burst_the_feed_has_not_seen_yet():
+    """Between two polls the feed still reports the adapter's replica idle; Serve's queue
+    length (this router's own sends) puts it past the bound: the overflow still spills."""
+    policy, index = _placement()
+    home = REPLICAS[0]
+    _view(index, {}, {home: ("tune",)})
+    key = policy.key(_request("t", "hi", "tune"))
+    busy = policy.choose(key, [Candidate(r, 9 if r == home else 0) for r in REPLICAS])
+    assert busy.reason == "load_fallback" and busy.ranked[0] != home
