@@ -53,12 +53,18 @@ def app(stack):
         state = router.admission_state.remote().result(timeout_s=30)[MODEL]
         return {r["replica"]: r for r in state["per_replica"]}
 
-    def send(max_tokens: int = 2) -> int:
+    def send(max_tokens: int = 2, model: str = ADAPTER) -> int:
         return httpx.post(f"{base}/v1/completions", headers=stack["headers"], timeout=120,
-                          json={"model": ADAPTER, "prompt": "hi",
+                          json={"model": model, "prompt": "hi",
                                 "max_tokens": max_tokens}).status_code
 
-    wait_until(lambda: len(replicas()) == 2, 120, 0.1)
+    # The router's feed polls the replicas once the model has had work: one base request.
+    assert send(model=MODEL) == 200
+    try:
+        wait_until(lambda: len(replicas()) == 2, 60, 0.1)
+    except AssertionError:  # say what Serve sees of the model's replicas
+        raise AssertionError(f"two replicas not in the router's view: {replicas()}; "
+                             f"{serve.status().applications[APP]}") from None
     yield {"replicas": replicas, "send": send}
     serve.delete(APP)
 
