@@ -29,6 +29,7 @@ from serve_app.config import (
 from serve_app.engine.placement import replica_placement
 from serve_app.engine.server import DEFAULT_ENGINE_CLASS, LLMServer
 from serve_app.ingress.router import OpenAIRouter
+from serve_app.observability.metrics import ROUTER_METRICS
 from serve_app.routing.pinned import ROUTER_CLASS as PINNED_ROUTER_CLASS
 from serve_app.serve_private import with_version
 
@@ -118,7 +119,8 @@ def build_app(config: AppConfig, engine_class: str = DEFAULT_ENGINE_CLASS) -> Ap
     servers = {
         m.name: with_version(serve.deployment(LLMServer).options(**llm_server_options(m)),
                              versions[llm_server_name(m.name)])
-        .bind(m.model_dump(mode="json", exclude=set(LIVE_MODEL_FIELDS)), engine_class)
+        .bind(m.model_dump(mode="json", exclude=set(LIVE_MODEL_FIELDS)), engine_class,
+              ROUTER_METRICS["adapter_swaps"])
         for m in config.models
     }
     router = with_version(OpenAIRouter.options(

@@ -69,6 +69,16 @@ class RoutingSettings(_Strict):
         "(Serve's queue length) is worth: a replica's score is its cached prefix minus this "
         "times its load above the least-loaded candidate's. Higher spreads by load sooner; 0 "
         "follows the longest prefix up to the load bound.")
+    adapter_replicas: int = Field(
+        2, ge=1, description="prefix_affinity and prefix_cache: the most replicas one LoRA "
+        "adapter's requests go to (serve_app/routing/adapter_placement.py). An adapter's "
+        "requests go to a replica that reports it loaded while that one is within the load "
+        "bound; past it, a further replica takes them (and loads it) until this many hold it; "
+        "then they wait on the least-loaded of those. 2 (default): a hot adapter's overflow "
+        "still has a second replica, as the load bound spills any hot key, while on a larger "
+        "fleet it takes no more than two replicas' adapter slots (each swap costs a load). "
+        "A router knob, not an engine argument: changing it restarts no engine.")
+
     def router_kwargs(self, model: str) -> dict[str, Any]:
         """The request router's ``initialize_state`` arguments (Serve's
         ``request_router_kwargs``, JSON only)."""

@@ -24,6 +24,8 @@ from serve_app.engine.protocol import EngineRequestError
 
 AdapterRef = tuple[str, int, str]  # (name, id, path), as GenerationRequest.adapter carries it
 LoadAdapter = Callable[[str, int, str], Awaitable[Any]]
+# Told of each swap: ("load" | "evict", adapter name). Must return at once and never raise.
+OnSwap = Callable[[str, str], None]
 
 
 class LoadedAdapters:
@@ -34,6 +36,9 @@ class LoadedAdapters:
         self.model = model
         self.capacity = capacity
         self.loads = 0  # adapters loaded since the engine started (a swap into host memory)
+        self.evictions = 0  # adapters dropped, least recently used, to make room
+        # Set by the replica (LLMServer) to count swaps in its metric; None: not counted.
+        self.on_swap: OnSwap | None = None
         self._held: OrderedDict[int, str] = OrderedDict()
 
     async def ensure(self, adapter: AdapterRef, load: LoadAdapter) -> None:
@@ -61,8 +66,18 @@ class LoadedAdapters:
                                      status_code=503, param="model", code="adapter_unavailable")
         self.loads += 1
         self._held[adapter_id] = name
+        self._swapped("load", name)
         while len(self._held) > self.capacity:
-            self._held.popitem(last=False)
+            _, dropped = self._held.popitem(last=False)
+            self.evictions += 1
+            self._swapped("evict", dropped)
+
+    def _swapped(self, event: str, name: str) -> None:
+        if self.on_swap is not None:
+            try:
+                self.on_swap(event, name)
+            except Exception:  # a metric must never fail a request
+                pass
 
     def names(self) -> tuple[str, ...]:
         """Held adapters' names, least recently used first."""

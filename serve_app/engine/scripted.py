@@ -29,6 +29,11 @@ ordering tests read through ``LLMServer.engine_started_order``, and its step loo
 between steps (:meth:`hold_steps`, through ``LLMServer.engine_hold_steps``): while it is held no
 request starts or finishes, so a test can place requests in the router's queue without racing
 the engine's clock.
+
+With the model's ``lora:`` set it keeps the adapters its requests named as the vLLM adapter
+does (:class:`serve_app.engine.adapters.LoadedAdapters`, ``max_cpu_loras`` of them, least
+recently used out; loading one always succeeds) and reports them in :attr:`EngineLoad.adapters`,
+for routing tests; without it a request naming an adapter fails as on vLLM (503).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from serve_app.config import ModelSettings
+from serve_app.engine.adapters import LoadedAdapters
 from serve_app.engine.protocol import (
     ChoiceDelta,
     EngineLoad,
@@ -54,6 +60,11 @@ DEFAULT_STEP_S = 0.02
 DEFAULT_MAX_MODEL_LEN = 2048
 # Started-order records kept per replica (a test reads the recent ones).
 STARTED_ORDER_KEPT = 4096
+
+
+async def _load_adapter(name: str, adapter_id: int, path: str) -> bool:
+    """The scripted engine's adapter loader: nothing to read, always loaded."""
+    return True
 
 
 def count_prompt_tokens(request: GenerationRequest) -> int:
@@ -96,6 +107,9 @@ class ScriptedEngine:
         self.clock_scale = float(kwargs.get("scripted_clock_scale") or 1.0)
         self.steps = 0
         self.watch = StallWatch(settings.engine_stall_timeout_s)
+        lora = settings.lora  # the vLLM adapter's capacity (serve_app/engine/vllm_adapter.py)
+        self.loras = LoadedAdapters(settings.name, 0 if lora is None
+                                    else lora.max_cpu_loras or lora.max_loras)
         self._max_model_len = settings.max_model_len or DEFAULT_MAX_MODEL_LEN
         self._running: list[_Sequence] = []
         self._waiting: list[_Sequence] = []
@@ -123,7 +137,8 @@ class ScriptedEngine:
         return EngineLoad(running=len(self._running), waiting=len(self._waiting),
                           kv_cache_usage=len(self._running) / self.max_running,
                           max_running=self.max_running, step_tokens=self.step_tokens,
-                          prefill_tokens_avg=self._prefill_tokens_avg)
+                          prefill_tokens_avg=self._prefill_tokens_avg,
+                          adapters=self.loras.names())
 
     def unfinished_requests(self) -> int:
         return len(self._running) + len(self._waiting)
@@ -172,6 +187,8 @@ class ScriptedEngine:
             raise EngineRequestError(
                 f"max_tokens ({max_tokens}) plus the prompt ({prompt_tokens} tokens) exceeds "
                 f"the context length ({self._max_model_len})", param="max_tokens")
+        if request.adapter is not None:
+            await self.loras.ensure(request.adapter, _load_adapter)
         seq = _Sequence(request, next(self._arrivals), prompt_tokens, max_tokens)
         self._prefill_tokens_avg += 0.1 * (prompt_tokens - self._prefill_tokens_avg)
         self.watch.submitted(self.clock(), engine_idle=not self.unfinished_requests())

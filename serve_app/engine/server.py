@@ -15,6 +15,7 @@ from collections import OrderedDict, deque
 from typing import Any, AsyncIterator
 
 from serve_app.config import ModelSettings
+from serve_app.engine.adapter_swaps import count_swaps
 from serve_app.engine.channel import Batch, OutputChannels
 from serve_app.engine.protocol import (
     Engine,
@@ -49,8 +50,11 @@ class LLMServer:
     by Serve every few seconds.
     """
 
-    async def __init__(self, settings: dict[str, Any], engine_class: str = DEFAULT_ENGINE_CLASS
-                       ) -> None:
+    async def __init__(self, settings: dict[str, Any], engine_class: str = DEFAULT_ENGINE_CLASS,
+                       swap_metric: str = "") -> None:
+        """``swap_metric``: the registered name of the adapter-swap counter (the metric
+        table's, passed by serve_app/app.py: :mod:`serve_app.engine.adapter_swaps` says why);
+        empty: not counted."""
         self.settings = ModelSettings.model_validate(settings)
         self.engine: Engine = import_engine_class(engine_class)(self.settings)
         self.active = 0  # generate() calls in progress: tokenizing, in the engine, streaming
@@ -63,6 +67,8 @@ class LLMServer:
         # the first request that carries block hashes (:meth:`_record`).
         self.served: ServedBlocks | None = None
         self.record_error = RecordError()
+        # LoRA adapter loads and evictions, in the metric table's adapter_swaps counter.
+        self.adapter_swaps = count_swaps(self.engine, swap_metric, self.settings.name)
         tracing.configure(tracing.settings_from_env(), "engine")  # off: nothing is set up
         await self.engine.start()
 

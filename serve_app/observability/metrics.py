@@ -103,6 +103,13 @@ METRICS: dict[str, Metric] = {
                "1 while a router replica enforces its local share (1/N) of every tenant "
                "limit because the app's quota actor did not answer in time (an outage), "
                "else 0."),
+        Metric("ray_serve_app_adapter_swaps_total", "counter", "router",
+               "LoRA adapter swaps in a model's engines, by model, adapter and event: load (the "
+               "engine loaded it for a request: not held, or dropped since) and evict (dropped, "
+               "least recently used, to make room in its max_cpu_loras). Loads well above the "
+               "adapters in use: more adapters in use than the replicas' slots, or routing "
+               "spreading an adapter (routing.adapter_replicas). Counted by the LLMServer "
+               "replica."),
         Metric("ray_vllm_prefix_cache_queries_total", "counter", "vllm",
                "Prompt tokens the engine looked up in its prefix cache."),
         Metric("ray_vllm_prefix_cache_hits_total", "counter", "vllm",
@@ -110,8 +117,9 @@ METRICS: dict[str, Metric] = {
     ]
 }
 
-# Names the router registers with Ray (``ray.serve.metrics``); Ray's exporter adds the ``ray_``
-# prefix and a counter's ``_total`` suffix, giving the table's names above.
+# Names the project registers with Ray (``ray.serve.metrics``; source "router" above: the
+# router's, and adapter_swaps, the LLMServer's); Ray's exporter adds the ``ray_`` prefix and a
+# counter's ``_total`` suffix, giving the table's names above.
 ROUTER_METRICS = {
     "tenant_requests": "serve_app_tenant_requests",
     "tenant_tokens": "serve_app_tenant_tokens",
@@ -124,6 +132,7 @@ ROUTER_METRICS = {
     "target_per_replica": "serve_app_autoscaling_target_per_replica",
     "routing_decisions": "serve_app_routing_decisions",
     "quota_degraded": "serve_app_quota_degraded",
+    "adapter_swaps": "serve_app_adapter_swaps",
 }
 
 # Histogram buckets (seconds) of the router's latency metrics.

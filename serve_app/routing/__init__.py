@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from serve_app.config.routing import RoutingSettings
+from serve_app.routing.adapter_placement import AdapterPlacement
 from serve_app.routing.policy import RoutingPolicy
 from serve_app.routing.power_of_two import PowerOfTwo
 from serve_app.routing.prefix_affinity import PrefixAffinity
@@ -33,14 +34,22 @@ def build_policy(name: str, model: str = "", **knobs: Any) -> RoutingPolicy:
     k = RoutingSettings(policy=name, **knobs)  # type: ignore[arg-type]  # checked above
     if name == PowerOfTwo.name:
         return PowerOfTwo()
+    inner: RoutingPolicy
     if name == PrefixAffinity.name:
-        return PrefixAffinity(PrefixKeyer(block_tokens=k.block_tokens, prefix_blocks=k.prefix_blocks,
-                                          chars_per_token=k.chars_per_token),
-                              imbalance_margin=k.imbalance_margin, load_factor=k.load_factor)
-    return PrefixCache(BlockHasher(block_tokens=k.block_tokens, chars_per_token=k.chars_per_token,
-                                   max_blocks=k.max_blocks),
-                       lambda: index_for(model), imbalance_margin=k.imbalance_margin,
-                       load_factor=k.load_factor, request_cost_tokens=k.request_cost_tokens)
+        inner = PrefixAffinity(PrefixKeyer(block_tokens=k.block_tokens,
+                                           prefix_blocks=k.prefix_blocks,
+                                           chars_per_token=k.chars_per_token),
+                               imbalance_margin=k.imbalance_margin, load_factor=k.load_factor)
+    else:
+        inner = PrefixCache(BlockHasher(block_tokens=k.block_tokens,
+                                        chars_per_token=k.chars_per_token,
+                                        max_blocks=k.max_blocks),
+                            lambda: index_for(model), imbalance_margin=k.imbalance_margin,
+                            load_factor=k.load_factor, request_cost_tokens=k.request_cost_tokens)
+    # A LoRA adapter's requests follow where the replicas report it loaded (both prefix
+    # policies; power_of_two spreads everything).
+    return AdapterPlacement(inner, lambda: index_for(model), adapter_replicas=k.adapter_replicas,
+                            imbalance_margin=k.imbalance_margin, load_factor=k.load_factor)
 
 
 __all__ = ["POLICIES", "build_policy"]

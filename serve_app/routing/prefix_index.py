@@ -38,6 +38,8 @@ class PrefixIndex:
         # the requests this router sent it since (:meth:`routed`).
         self._loads: dict[str, int] = {}
         self._sent: dict[str, int] = {}
+        # The LoRA adapters each replica reported loaded in the last view (EngineLoad.adapters).
+        self._adapters: dict[str, frozenset[str]] = {}
 
     def __len__(self) -> int:
         return len(self._replicas)
@@ -64,6 +66,7 @@ class PrefixIndex:
                 self.take(load.replica, load.prefix_report)
         self.keep({load.replica for load in view})
         self._loads = {load.replica: load.in_engine for load in view}
+        self._adapters = {load.replica: frozenset(load.adapters) for load in view}
         self._sent = {}
 
     def routed(self, replica: str) -> None:
@@ -77,6 +80,10 @@ class PrefixIndex:
         their own latest requests (the replicas report it, not each router's own count)."""
         base = self._loads.get(replica)
         return None if base is None else base + self._sent.get(replica, 0)
+
+    def holds_adapter(self, replica: str, adapter: str) -> bool:
+        """Whether ``replica`` reported ``adapter`` loaded in the last view."""
+        return adapter in self._adapters.get(replica, ())
 
     def take(self, replica: str, report: PrefixReport) -> bool:
         """Apply one replica's report; whether it was applied."""

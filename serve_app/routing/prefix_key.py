@@ -64,7 +64,7 @@ class PrefixKeyer:
         if request is None:
             return None
         if request.adapter is not None:  # the adapter's replicas (the module docstring)
-            return _digest(b"", _ADAPTER, request.adapter[0].encode())
+            return adapter_key(request.adapter[0])
         salt = (request.cache_salt or "").encode()
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
@@ -79,6 +79,11 @@ class PrefixKeyer:
     def _text_key(self, salt: bytes, kind: bytes, text: str) -> bytes | None:
         n = min(self.prefix_blocks, len(text) // self.block_chars) * self.block_chars
         return _digest(salt, kind, text[:n].encode()) if n else None
+
+
+def adapter_key(name: str) -> bytes:
+    """The key of every request for adapter ``name``, whatever its tenant and prompt."""
+    return _digest(b"", _ADAPTER, name.encode())
 
 
 def chat_text(messages: list[dict[str, str]]) -> str:

@@ -14,7 +14,7 @@ from serve_app.app import (
     llm_server_name,
     llm_server_options,
 )
-from serve_app.config import ModelSettings, load_config
+from serve_app.config import LoraSettings, ModelSettings, load_config
 from serve_app.engine.adapters import LoadedAdapters
 from serve_app.engine.protocol import EngineRequestError
 from serve_app.engine.vllm_adapter import engine_args_for
@@ -51,6 +51,34 @@ def test_first_request_loads_then_the_adapter_is_held():
     # b was least recently used when c came: it is dropped from the record (vLLM's LRU).
     assert [c[0] for c in calls] == ["a", "b", "c"]
     assert held.names() == ("a", "c") and held.loads == 3
+
+
+def test_every_load_and_eviction_is_told_to_the_replicas_swap_counter():
+    from serve_app.engine.adapter_swaps import count_swaps
+    from serve_app.engine.scripted import ScriptedEngine
+
+    async def load(name, adapter_id, path):
+        return True
+
+    engine = ScriptedEngine(ModelSettings(name="m", path="./unused", device="cpu",
+                                          lora=LoraSettings(max_loras=2)))
+    counter = count_swaps(engine, "serve_app_adapter_swaps", "m")
+    assert counter is not None and engine.loras.on_swap == counter.record
+    swaps = []
+    engine.loras.on_swap = lambda event, name: swaps.append((event, name))
+    for ref in [("a", 11, "/a"), ("b", 12, "/b"), ("a", 11, "/a"), ("c", 13, "/c")]:
+        _run(engine.loras.ensure(ref, load))
+    assert swaps == [("load", "a"), ("load", "b"), ("load", "c"), ("evict", "b")]
+    assert (engine.loras.loads, engine.loras.evictions) == (3, 1)
+
+    def broken(event, name):
+        raise RuntimeError("metrics down")
+
+    engine.loras.on_swap = broken  # a failing metric fails no request
+    _run(engine.loras.ensure(("d", 14, "/d"), load))
+    assert engine.loras.names() == ("c", "d")
+    assert count_swaps(object(), "serve_app_adapter_swaps", "m") is None  # no adapters here
+    assert count_swaps(engine, "", "m") is None  # no name given: not counted
 
 
 def test_a_failed_load_is_a_503_naming_the_adapter_and_holds_nothing():

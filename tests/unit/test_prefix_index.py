@@ -11,6 +11,7 @@ import pytest
 from serve_app.engine.protocol import EngineLoad, GenerationRequest, SamplingOptions
 from serve_app.engine.server import ServedBlocks
 from serve_app.routing import POLICIES, build_policy
+from serve_app.routing.adapter_placement import AdapterPlacement
 from serve_app.routing.policy import Candidate
 from serve_app.routing.prefix_blocks import BlockHasher, PromptBlocks
 from serve_app.routing.prefix_cache import PrefixCache
@@ -299,7 +300,8 @@ def test_keys_are_computed_once_and_carried_to_the_replica():
 
 def test_the_registry_builds_every_policy_by_name():
     assert POLICIES == ("power_of_two", "prefix_affinity", "prefix_cache")
-    assert isinstance(build_policy("prefix_cache", "m", block_tokens=8), PrefixCache)
+    policy = build_policy("prefix_cache", "m", block_tokens=8)
+    assert isinstance(policy, AdapterPlacement) and isinstance(policy.inner, PrefixCache)
     with pytest.raises(ValueError, match="prefix_cache"):
         build_policy("round_robin")
 

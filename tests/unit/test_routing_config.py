@@ -65,10 +65,12 @@ def test_the_deployment_passes_routing_to_the_request_router():
     assert rr["request_router_class"].endswith(":PinnedOrPolicyRouter")
     router = PinnedOrPolicyRouter.__new__(PinnedOrPolicyRouter)
     router.initialize_state(**rr["request_router_kwargs"])  # what Serve does with them
-    assert isinstance(router.policy, PrefixAffinity)
-    assert (router.policy.imbalance_margin, router.policy.load_factor) == (6, 1.5)
-    assert (router.policy.keyer.block_tokens, router.policy.keyer.prefix_blocks,
-            router.policy.keyer.chars_per_token) == (32, 2, 3)
+    inner = router.policy.inner  # within adapter placement (serve_app/routing/adapter_placement.py)
+    assert isinstance(inner, PrefixAffinity)
+    assert (inner.imbalance_margin, inner.load_factor) == (6, 1.5)
+    assert (inner.keyer.block_tokens, inner.keyer.prefix_blocks,
+            inner.keyer.chars_per_token) == (32, 2, 3)
+    assert router.policy.adapter_replicas == 2
     assert router.decisions.model == cfg.models[0].name
 
 

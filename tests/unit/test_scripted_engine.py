@@ -108,3 +108,26 @@ async def test_a_held_step_loop_starts_and_emits_nothing_until_released():
     await asyncio.wait_for(second, 1)
     assert len(chunks) == 60 and engine.started_order() == ["first", "second"]
     await engine.shutdown()
+
+
+async def test_it_reports_the_adapters_it_ran_least_recent_first_as_vllm_does():
+    from serve_app.config import LoraSettings
+
+    engine = ScriptedEngine(ModelSettings(name="s", path="./unused", device="cpu",
+                                          max_model_len=64, lora=LoraSettings(max_loras=2),
+                                          engine_kwargs={"scripted_step_s": 0.001}))
+    await engine.start()
+    for rid, adapter in (("1", "a"), ("2", "b"), ("3", "a"), ("4", "c")):
+        request = _request(rid)
+        request.adapter = (adapter, ord(adapter), f"/adapters/{adapter}")
+        await _drain(engine, request)
+    assert engine.load().adapters == ("a", "c")  # b least recent: out of the two places
+    await engine.shutdown()
+    plain = _engine()
+    await plain.start()
+    request = _request("x")
+    request.adapter = ("a", 1, "/adapters/a")
+    with pytest.raises(EngineRequestError, match="LoRA is off"):
+        await _drain(plain, request)
+    assert plain.load().adapters == ()
+    await plain.shutdown()
