@@ -228,10 +228,12 @@ def sampled(read, every_s: float = 0.02):
 
 
 def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
-                       step_s: float, max_ongoing_requests: int = 256) -> str:
+                       step_s: float, max_ongoing_requests: int = 256,
+                       batch_reserve: int = 0) -> str:
     """Deploy the suite's router configuration and tenants in front of one scripted-engine
     replica (``batch`` places, a step every ``step_s``, Serve's ``max_ongoing_requests``) as
     ``app`` beside the shared stack, wait until it lists its model, and return its base URL.
+    ``batch_reserve``: the routers' ``admission.batch_reserve`` (the suite's stack keeps 0).
     The caller deletes it (serve.delete)."""
     from ray import serve
 
@@ -243,7 +245,10 @@ def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
                              max_model_len=2048, max_ongoing_requests=max_ongoing_requests,
                              engine_kwargs={
                                  "max_num_seqs": batch, "scripted_step_s": step_s})
-    serve.run(build_app(stack["config"].model_copy(update={"models": [settings]}),
+    cfg = stack["config"]
+    router = cfg.router.model_copy(update={"admission": cfg.router.admission.model_copy(
+        update={"batch_reserve": batch_reserve})})
+    serve.run(build_app(cfg.model_copy(update={"models": [settings], "router": router}),
                         SCRIPTED_ENGINE_CLASS),
               name=app, route_prefix=prefix, blocking=False)
     base = stack["base"] + prefix
