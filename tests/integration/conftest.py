@@ -256,6 +256,31 @@ def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
     return base
 
 
+# Where Ray writes the metrics agents' addresses (what Prometheus's file discovery reads).
+METRICS_TARGETS_FILE = Path("/tmp/ray/session_latest/prom_metrics_service_discovery.json")
+
+
+def exported(metric: str) -> list[tuple[dict[str, str], float]]:
+    """Every series of ``metric`` as Ray's metrics agents export it now (the targets
+    Prometheus scrapes): its labels and value. An agent that does not answer is skipped."""
+    import json
+    import re
+
+    targets = [t for group in json.loads(METRICS_TARGETS_FILE.read_text())
+               for t in group["targets"]]
+    out: list[tuple[dict[str, str], float]] = []
+    for target in targets:
+        try:
+            text = httpx.get(f"http://{target}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(metric + "{"):
+                labels, value = line.rsplit(" ", 1)
+                out.append((dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
+    return out
+
+
 def wait_until_listed(base: str, headers: dict, timeout_s: float = 120) -> None:
     """Wait until the app at ``base`` answers its model list (its router and model are up)."""
     import httpx

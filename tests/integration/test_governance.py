@@ -4,13 +4,14 @@ authenticated answer (JSON, SSE, 429), a per-tenant concurrency cap, the usage r
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from .conftest import exported
 
 pytestmark = pytest.mark.integration
 
@@ -120,27 +121,16 @@ def test_concurrency_cap_holds_six_streams_to_two_in_flight_and_all_finish(stack
 
 
 SECRET_PROMPT = "usage-record canary 7f3a91: never written"
-SD_FILE = Path("/tmp/ray/session_latest/prom_metrics_service_discovery.json")
 TOKENS_METRIC = "ray_serve_app_tenant_tokens_total"
 
 
 def _tenant_tokens_from_prometheus_targets(tenants: set[str]) -> dict[str, int]:
     """Prompt + completion tokens per tenant in ``tenants``, as Ray's metrics agents export
     ``ray_serve_app_tenant_tokens_total`` (the targets Prometheus scrapes)."""
-    targets = [t for group in json.loads(SD_FILE.read_text()) for t in group["targets"]]
     totals = dict.fromkeys(tenants, 0)
-    for target in targets:
-        try:
-            text = httpx.get(f"http://{target}/metrics", timeout=5).text
-        except httpx.HTTPError:
-            continue
-        for line in text.splitlines():
-            if not line.startswith(TOKENS_METRIC + "{"):
-                continue
-            labels, value = line.rsplit(" ", 1)
-            tenant = re.search(r'tenant="([^"]*)"', labels)
-            if tenant and tenant.group(1) in totals:
-                totals[tenant.group(1)] += int(float(value))
+    for labels, value in exported(TOKENS_METRIC):
+        if labels.get("tenant") in totals:
+            totals[labels["tenant"]] += int(value)
     return totals
 
 

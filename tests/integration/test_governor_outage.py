@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -27,9 +26,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from .conftest import wait_until
+from .conftest import exported, wait_until
 from .test_cluster_quota import checkpointed_rpm, quota_actor_id, start_two_router_app
-from .test_governance import SD_FILE
 
 # The long tier (`make test-long`, run by CI after `make test`): about 60 s with their app.
 pytestmark = [pytest.mark.integration, pytest.mark.long]
@@ -168,18 +166,8 @@ def _check_answers(answers: list[Answer], baseline_s: float) -> float:
 def degraded_gauges() -> dict[str, float]:
     """``serve_app_quota_degraded`` of this app's router replicas (series labels -> value), as
     Ray's metrics agents export it (the targets Prometheus scrapes)."""
-    targets = [t for group in json.loads(SD_FILE.read_text()) for t in group["targets"]]
-    out: dict[str, float] = {}
-    for target in targets:
-        try:
-            text = httpx.get(f"http://{target}/metrics", timeout=5).text
-        except httpx.HTTPError:
-            continue
-        for line in text.splitlines():
-            if line.startswith(METRIC + "{") and re.search(f'application="{APP}"', line):
-                labels, value = line.rsplit(" ", 1)
-                out[labels] = float(value)
-    return out
+    return {json.dumps(labels, sort_keys=True): value for labels, value in exported(METRIC)
+            if labels.get("application") == APP}
 
 
 def _spend(keys: dict[str, str], ports: list[int], tenant: str) -> None:

@@ -20,7 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import wait_until, wait_until_listed
+from serve_app.observability.metrics import ROUTER_METRICS
+
+from .conftest import exported, wait_until, wait_until_listed
 
 pytestmark = pytest.mark.integration
 
@@ -171,6 +173,19 @@ def test_greedy_output_equals_vllms_own_with_the_same_adapter(lora, reference):
     router = serve.get_deployment_handle("Router", app_name=APP)
     wait_until(lambda: router.admission_state.remote().result(timeout_s=30)[MODEL][
         "per_replica"][0]["adapters"] == ["shared", "a-tune"], 10, 0.1)
+    # The swaps in the metrics, as Ray's metrics agents export them: each adapter loaded (a-tune
+    # twice), a-tune evicted for shared and b-tune for a-tune's return.
+    metric = "ray_" + ROUTER_METRICS["adapter_swaps"] + "_total"
+
+    def swaps() -> dict[tuple[str, str], float]:
+        return {(labels["event"], labels["adapter"]): value for labels, value in exported(metric)
+                if labels.get("model") == MODEL}
+    wanted = {("load", "a-tune"): 2, ("load", "b-tune"): 1, ("load", "shared"): 1,
+              ("evict", "a-tune"): 1, ("evict", "b-tune"): 1}
+    try:
+        wait_until(lambda: all(swaps().get(k, 0) >= n for k, n in wanted.items()), 60, 0.5)
+    except AssertionError:
+        raise AssertionError(f"swaps exported: {swaps()}") from None
 
 
 def test_a_broken_adapter_is_a_503_naming_it_and_others_serve_on(lora):
