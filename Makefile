@@ -70,7 +70,8 @@ grafana-files:
 # `make test`: unit tests and the integration tests of the request path, tenancy, admission,
 # routing, dashboards and disconnects (about 15 minutes on two cores from a fresh clone, setup
 # included; it prints its wall time). The long scenarios (pytest marker `long`) run in
-# `make test-long`: node loss and two-node rolls, the autoscaling flood, PP restarts, the stall
+# `make test-long`: TP and PP on the vLLM CPU engine, prefix affinity on two vLLM replicas, node
+# loss and two-node rolls, the autoscaling flood, PP restarts, the stall
 # watch. .ci/run runs both.
 test:
 	@start=$$(date +%s); \

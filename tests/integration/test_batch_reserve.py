@@ -47,9 +47,9 @@ def test_a_quiet_tenants_first_request_starts_beside_a_full_backlog_regression_w
     """team-a floods (two batches' worth, 2 s each); once the backlog waits in the router,
     team-c sends one short request. It is answered before any flood request, so it started in
     a kept place rather than after a running request ended, and while the backlog waited the
-    engine ran at most BATCH - RESERVE with none of the backlog in its queue. Checked against
+    engine held (running and waiting) at most BATCH - RESERVE of it. Checked against
     batch_reserve 0: the engine ran its full batch with the headroom waiting, and team-c was
-    answered after the first flood requests."""
+    answered after every flood request that was running when it came."""
     s = reserved
 
     async def main() -> list:
@@ -58,7 +58,9 @@ def test_a_quiet_tenants_first_request_starts_beside_a_full_backlog_regression_w
             flood = [asyncio.create_task(complete_recorded(
                 client, s["base"], MODEL, s["keys"]["team-a"], "team-a", ids, FLOOD_TOKENS))
                 for _ in range(FLOOD)]
-            await asyncio.to_thread(wait_until, lambda: s["state"]()["queued"] >= BATCH // 2, 60)
+            # The backlog waits in the router and the engine runs all the router lets it.
+            await asyncio.to_thread(wait_until, lambda: (x := s["state"]())["queued"] >= BATCH // 2
+                                    and x["engine_running"] >= BATCH - RESERVE, 60, 0.02)
             await complete_recorded(client, s["base"], MODEL, s["keys"]["team-c"], "team-c",
                                     ids, QUIET_TOKENS)
             await asyncio.gather(*flood)
@@ -71,6 +73,7 @@ def test_a_quiet_tenants_first_request_starts_beside_a_full_backlog_regression_w
     backlog = [x for x in samples if x["queued"] > 0]
     assert backlog and max(x["capacity"] for x in backlog) == BATCH - RESERVE, \
         [x["capacity"] for x in backlog]
-    # The feed's counts (each replica's running and waiting as its engine reported them).
-    assert max(x["engine_running"] for x in backlog) <= BATCH - RESERVE + 1, backlog[-1]
-    assert max(x["engine_waiting"] for x in backlog) <= 1, backlog[-1]
+    # The feed's counts (the replica's running and waiting as its engine reported them): the
+    # backlog never filled the batch (only the quiet request went beyond it).
+    held = [x["engine_running"] + x["engine_waiting"] for x in backlog]
+    assert max(held) <= BATCH - RESERVE + 1, held

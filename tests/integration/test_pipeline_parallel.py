@@ -34,7 +34,7 @@ from serve_app.app import llm_server_name
 from .conftest import REPO, wait_until
 from .load import greedy_completions
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]  # `make test-long`
 
 APP = "pp2"
 PREFIX = "/pp2"

@@ -23,7 +23,7 @@ from serve_app.governance.keys import Tenant
 
 from .conftest import wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]  # `make test-long`
 
 APP = "affinity"
 PREFIX = "/affinity"

@@ -10,7 +10,7 @@ import pytest
 from .conftest import REPO, wait_until
 from .load import greedy_completions
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]  # `make test-long`
 
 APP = "tp2"
 PREFIX = "/tp2"
