@@ -31,7 +31,7 @@
 #   AFF_CONC=256 AFF_NUM=1024, AFF_MAX_LORAS=4, ADAPTER_REPLICAS, UTIL=0.42, KV_BYTES (each
 #   engine's KV cache in bytes, affinity part), POLICIES, TOKEN_RANGE=1000-20000, GPUS=0,0,
 #   CPUS=8, PORT=8000, BUDGET_S=570 (an arm that would not end before it is skipped: MIX_ARM_S=200
-#   a mix arm, AFF_ARM_S=70 an affinity arm, AFF_START_S=150 the cluster and its two engines))
+#   a mix arm, AFF_ARM_S=80 an affinity arm, AFF_START_S=150 the cluster and its two engines))
 # On the GPU run one part per call (each fits one call's ~570 s; both do not).
 # One summary file: $OUT/lora.md (each part's files under $OUT/lora/mix/ and $OUT/lora/affinity/).
 # A CPU dry run with tiny sizes: CONFIG=deployments/local-cpu.yaml GPUS= (the tiny model; two CPU
@@ -54,7 +54,7 @@ AFF_CONC=${AFF_CONC:-256}; AFF_NUM=${AFF_NUM:-1024}
 left() { echo $(( T0 + BUDGET - $(date +%s) )); }
 mkdir -p "$DEST/lora"
 ensure_model "$CONFIG"
-read -r MODEL MPATH < <($PY -c "from serve_app.config import load_config as l; m = l('$CONFIG').models[0]; print(m.name, m.path)")
+read -r MODEL MPATH DEVICE < <($PY -c "from serve_app.config import load_config as l; m = l('$CONFIG').models[0]; print(m.name, m.path, m.device)")
 ADAPTERS=${MPATH%/}-adapters
 for i in $(seq 0 $((N_ADAPTERS - 1))); do
   $PY -m serve_app.cli make-adapter --base "$MPATH" --out "$ADAPTERS/a$i" --seed $((i + 1)) \
@@ -144,6 +144,7 @@ part_mix() {
     echo "$(basename "$CONFIG"); 8 tenants, shares 1/(i+1) (${SHARES[*]}); ${IN} in / ${OUTPUT} out, c=$CONC, $NUM requests after the bench's warm-up (c requests); seed 100 in both arms; arms in order: ${MIX_ARMS:-base lora}, each a fresh serve-app run; base: LoRA off, every tenant on $MODEL; lora: lora.max_loras 8, max_lora_rank $RANK, tenant t<i> on adapter a<i>."
     echo
     $PY bench/lora_report.py mix "$dir"
+    echo
   } >> "$REPORT"
 }
 
@@ -160,7 +161,7 @@ wait_two() {  # the app RUNNING, every replica RUNNING and two of the engines
 part_affinity() {
   local dir=$DEST/lora/affinity policy n=0 seed=200 finished=0 d args
   rm -rf "$dir"; mkdir -p "$dir"
-  [ "$(left)" -ge "$(( ${AFF_START_S:-150} + ${AFF_ARM_S:-70} ))" ] || {
+  [ "$(left)" -ge "$(( ${AFF_START_S:-150} + ${AFF_ARM_S:-80} ))" ] || {
     echo "no time left for the affinity part: $(left)s"; return 0; }
   # The cluster runs until its stdin closes: a fifo whose only writer is this script.
   mkfifo "$dir/cluster.stdin"
@@ -180,7 +181,7 @@ part_affinity() {
   echo "cluster at $ADDRESS, session $session"
   require_free_port "$PORT" || return 1
   for policy in ${POLICIES:-power_of_two prefix_cache prefix_cache power_of_two}; do
-    [ "$(left)" -ge "${AFF_ARM_S:-70}" ] || { echo "no time left for arm $policy: $(left)s"; break; }
+    [ "$(left)" -ge "${AFF_ARM_S:-80}" ] || { echo "no time left for arm $policy: $(left)s"; break; }
     n=$((n + 1)); d=$dir/$n-$policy; mkdir -p "$d"
     config_for "$policy" "$dir"
     echo "== affinity arm $n: $policy ($(left)s left)"
@@ -210,10 +211,13 @@ $(tenant_args lora)"
   {
     echo "### affinity: adapter placement (prefix_cache) against power_of_two ($MODEL, two replicas on one device)"
     echo
-    echo "$(basename "$CONFIG"), engines at ${UTIL:-0.42} of the GPU memory each${KV_BYTES:+, KV cache $KV_BYTES bytes each}; 8 rank-$RANK adapters on ${AFF_MAX_LORAS:-4} LoRA slots per replica (max_cpu_loras the same), adapter_replicas ${ADAPTER_REPLICAS:-2 (default)}; the mix's lora workload (8 tenants, shares 1/(i+1), t<i> on a<i>): ${IN} in / ${OUTPUT} out, c=$AFF_CONC, $AFF_NUM requests after a warm-up of $AFF_CONC under the arm's policy; arms in order: ${POLICIES:-power_of_two prefix_cache prefix_cache power_of_two} (a policy change rolls the routers; the engines and the adapters they hold stay); each arm its own prompt seed (from 200). Loads / evictions and requests per replica: counter deltas over the measured run, replicas in the same (id) order."
+    local memory="engines on CPU"
+    [ "$DEVICE" = gpu ] && memory="engines at ${UTIL:-0.42} of the GPU memory each${KV_BYTES:+, KV cache $KV_BYTES bytes each}"
+    echo "$(basename "$CONFIG"), $memory; 8 rank-$RANK adapters on ${AFF_MAX_LORAS:-4} LoRA slots per replica (max_cpu_loras the same), adapter_replicas ${ADAPTER_REPLICAS:-2 (default)}; the mix's lora workload (8 tenants, shares 1/(i+1), t<i> on a<i>): ${IN} in / ${OUTPUT} out, c=$AFF_CONC, $AFF_NUM requests after a warm-up of $AFF_CONC under the arm's policy; arms in order: ${POLICIES:-power_of_two prefix_cache prefix_cache power_of_two} (a policy change rolls the routers; the engines and the adapters they hold stay); each arm its own prompt seed (from 200). Loads / evictions and requests per replica: counter deltas over the measured run, replicas in the same (id) order."
     echo
     $PY bench/lora_report.py affinity "$dir"
     echo; echo "Engines' KV caches:"; sed 's/^/    /' "$dir/kv-cache.txt"
+    echo
   } >> "$REPORT"
 }
 
@@ -232,11 +236,14 @@ stop_cluster() {  # Serve (its HAProxy with it) down first, then the cluster's n
   echo
 } > "$REPORT"
 for part in $PARTS; do
+  P0=$(date +%s)
   case $part in
     mix) part_mix ;;
     affinity) part_affinity; stop_cluster ;;
     *) echo "unknown part $part (mix, affinity)"; exit 2 ;;
   esac
+  echo "part $part took $(( $(date +%s) - P0 ))s" >> "$REPORT"
+  echo >> "$REPORT"
 done
 echo "took $(( $(date +%s) - T0 ))s" >> "$REPORT"
 cat "$REPORT"

@@ -11,8 +11,9 @@ two parts' tables.
     python bench/lora_report.py affinity DIR
         part affinity: one row per arm (DIR/N-POLICY/{results.json, before.json, after.json,
         swaps-before.json, swaps-after.json, status.json}): TTFT p50/p99, output tok/s, TPOT
-        p50, adapter loads and evictions per replica, requests per replica, the adapters each
-        replica held at the end; then each policy against power_of_two (means over repeats)
+        p50, adapter loads and evictions, and per replica its loads and evictions, requests
+        finished and the adapters it held at the end; then each policy against power_of_two
+        (means over repeats)
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def swap_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict
 
 
 def _short(replica: str) -> str:
-    """A replica id's last part (Serve's ids end in a random suffix): enough to tell two apart."""
-    return replica.rsplit("#", 1)[-1][-6:] if replica else "?"
+    """A replica's id as the reports give it (Serve's random suffix), at most 8 characters."""
+    return replica.rsplit("#", 1)[-1][-8:] if replica else "?"
 
 
 def _run(path: Path) -> dict[str, Any]:
@@ -113,43 +114,46 @@ def affinity_table(root: Path) -> str:
     from prefix_affinity_report import hit_rates
 
     rows = ["| # | policy | TTFT p50 (ms) | TTFT p99 (ms) | out tok/s | TPOT p50 (ms) | "
-            "adapter loads / evictions (per replica) | requests per replica | adapters held "
-            "at the end | failed |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "adapter loads / evictions | per replica: loads / evictions, requests, adapters "
+            "held at the end | failed |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by_policy: dict[str, list[dict[str, float]]] = {}
     for arm in sorted(p for p in root.iterdir() if (p / "results.json").exists()):
         n, _, policy = arm.name.partition("-")
         s = _run(arm / "results.json")["summary"]
-        swaps = {}
+        swaps: dict[str, dict[str, float]] = {}
         if (arm / "swaps-before.json").exists() and (arm / "swaps-after.json").exists():
             swaps = swap_deltas(json.loads((arm / "swaps-before.json").read_text()),
                                 json.loads((arm / "swaps-after.json").read_text()))
-        loads = sum(d["load"] for d in swaps.values())
-        evicts = sum(d["evict"] for d in swaps.values())
-        per_swaps = ", ".join(f"{d['load']:.0f}/{d['evict']:.0f}"
-                              for _, d in sorted(swaps.items()))
-        finished = "-"
+        finished: dict[str, float] = {}
         if (arm / "before.json").exists() and (arm / "after.json").exists():
-            rates = hit_rates(json.loads((arm / "before.json").read_text()),
-                              json.loads((arm / "after.json").read_text()))
-            finished = ", ".join(f"{d['finished']:.0f}" for _, d in sorted(rates.items())
-                                 if d["finished"] > 0) or "-"
-        held = "-"
+            finished = {r: d["finished"] for r, d in hit_rates(
+                json.loads((arm / "before.json").read_text()),
+                json.loads((arm / "after.json").read_text())).items()}
+        held: dict[str, list[str]] = {}
         if (arm / "status.json").exists():
             try:
                 st = json.loads((arm / "status.json").read_text())
-                held = "; ".join(" ".join(r.get("adapters") or []) or "none"
-                                 for m in st["models"].values() for r in m["per_replica"])
+                held = {r["replica"]: r.get("adapters") or []
+                        for m in st["models"].values() for r in m["per_replica"]}
             except (ValueError, KeyError):
                 pass
+        loads = sum(d["load"] for d in swaps.values())
+        evicts = sum(d["evict"] for d in swaps.values())
+        per = []
+        for rid in sorted(set(swaps) | set(finished) | set(held)):
+            d = swaps.get(rid, dict.fromkeys(EVENTS, 0.0))
+            req = finished.get(rid)
+            per.append(f"{_short(rid)}: {d['load']:.0f} / {d['evict']:.0f}, "
+                       + ("-" if req is None else f"{req:.0f}") + " req, "
+                       + (" ".join(held[rid]) or "none" if rid in held else "-"))
         by_policy.setdefault(policy, []).append({
             "ttft": s["ttft_ms"]["median"], "p99": s["ttft_ms"]["p99"],
             "tput": s["output_throughput"], "loads": loads})
         rows.append(
             f"| {n} | {policy} | {s['ttft_ms']['median']:.1f} | {s['ttft_ms']['p99']:.1f} | "
             f"{s['output_throughput']:.0f} | {s['tpot_ms']['median']:.2f} | "
-            f"{loads:.0f} / {evicts:.0f} ({per_swaps or '-'}) | {finished} | {held} | "
-            f"{s['failed']} |")
+            f"{loads:.0f} / {evicts:.0f} | {'; '.join(per) or '-'} | {s['failed']} |")
     rows.append("")
     mean = lambda arms, k: sum(a[k] for a in arms) / len(arms)  # noqa: E731
     base = by_policy.get("power_of_two")

@@ -50,6 +50,8 @@ def _arm(root: Path, name: str, ttft: float, tput: float, loads: float) -> None:
     (d / "before.json").write_text(json.dumps({"r1": zero, "r2": zero}))
     (d / "after.json").write_text(json.dumps({"r1": {**zero, "finished": 6.0},
                                               "r2": {**zero, "finished": 4.0}}))
+    per_replica = [{"replica": "r1", "adapters": ["a0", "a1"]}, {"replica": "r2", "adapters": []}]
+    (d / "status.json").write_text(json.dumps({"models": {"m": {"per_replica": per_replica}}}))
 
 
 def test_affinity_table_rows_and_ratios_over_repeats(tmp_path):
@@ -58,6 +60,8 @@ def test_affinity_table_rows_and_ratios_over_repeats(tmp_path):
     _arm(tmp_path, "3-prefix_cache", 70.0, 1200.0, 6)
     _arm(tmp_path, "4-power_of_two", 100.0, 1000.0, 20)
     text = report.affinity_table(tmp_path)
-    assert "| 1 | power_of_two | 100.0 | 200.0 | 1000 | 10.00 | 40 / 0 (40/0) | 6, 4 |" in text
+    # r2 never swapped (its counter is registered on its first swap): still its own entry.
+    assert ("| 1 | power_of_two | 100.0 | 200.0 | 1000 | 10.00 | 40 / 0 | r1: 40 / 0, 6 req, "
+            "a0 a1; r2: 0 / 0, 4 req, none | 0 |") in text
     assert ("prefix_cache / power_of_two (2 and 2 arm(s), means): TTFT p50 **0.60x**" in text)
     assert "output throughput **1.20x**, adapter loads per arm 30 -> 5" in text
