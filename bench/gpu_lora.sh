@@ -13,7 +13,7 @@
 #             CLUSTER_GPUS=0,0; the router on the head), UTIL (0.42) of the memory each, KV_BYTES
 #             (equal KV caches), the eight adapters on AFF_MAX_LORAS (4) slots per replica (fewer
 #             than adapters, so placement matters; max_cpu_loras the same); the mix's lora
-#             workload at AFF_CONC (256), AFF_NUM (1024) requests. Arms in POLICIES order
+#             workload at AFF_CONC (256), AFF_NUM (768) requests. Arms in POLICIES order
 #             ("power_of_two prefix_cache prefix_cache power_of_two"): power_of_two (Serve's
 #             choice, no adapter placement: the baseline) against prefix_cache (adapter placement
 #             on, routing.adapter_replicas ADAPTER_REPLICAS, default 2). A policy change rolls the
@@ -28,15 +28,20 @@
 # written once next to the model folder: <model path>-adapters/a0..a7.
 # usage: bench/gpu_lora.sh [CONFIG]   (env: PARTS="mix affinity", PYTHON, OUT, IN=1024 OUTPUT=128
 #   CONC=64,256 NUM=256,512 (mix: one or one per concurrency), RANK=16, MIX_ARMS="base lora",
-#   AFF_CONC=256 AFF_NUM=1024, AFF_MAX_LORAS=4, ADAPTER_REPLICAS, UTIL=0.42, KV_BYTES (each
+#   AFF_CONC=256 AFF_NUM=768, AFF_MAX_LORAS=4, ADAPTER_REPLICAS, UTIL=0.42, KV_BYTES (each
 #   engine's KV cache in bytes, affinity part), POLICIES, TOKEN_RANGE=1000-20000, GPUS=0,0,
 #   CPUS=8, PORT=8000, BUDGET_S=570 (an arm that would not end before it is skipped: MIX_ARM_S=200
 #   a mix arm, AFF_ARM_S=80 an affinity arm, AFF_START_S=150 the cluster and its two engines))
-# On the GPU run one part per call (each fits one call's ~570 s; both do not).
+# On the GPU run one part per call (each fits one call's ~570 s; both do not), e.g. on an H200:
+#   PARTS=mix bench/gpu_lora.sh deployments/gpu-1.yaml
+#   PARTS=affinity KV_BYTES=27500000000 bench/gpu_lora.sh deployments/gpu-1.yaml
+# (27.5 GB of KV cache each, as bench/RESULTS.md 31b: ~210k tokens, more than c=256 of 1,152-token
+# requests needs on either replica; two such engines do not fit an 80 GB card: there ~10 GB).
 # One summary file: $OUT/lora.md (each part's files under $OUT/lora/mix/ and $OUT/lora/affinity/).
 # A CPU dry run with tiny sizes: CONFIG=deployments/local-cpu.yaml GPUS= (the tiny model; two CPU
 #   nodes for the affinity part), e.g. IN=64 OUTPUT=16 CONC=8 NUM=40 AFF_CONC=8 AFF_NUM=40
-#   RANK=8 TOKEN_RANGE=10-500 MIX_ARM_S=60 AFF_ARM_S=30 AFF_START_S=60.
+#   RANK=16 TOKEN_RANGE=10-500 MIX_ARM_S=60 AFF_ARM_S=30 AFF_START_S=60 CPUS=4 (about 7 minutes
+#   on two cores).
 # On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_lora.sh`; on your own GPU
 # machine, with the project installed, run it directly. Results: bench/RESULTS.md 39b.
 set -uo pipefail
@@ -50,7 +55,7 @@ T0=$(date +%s)
 BUDGET=${BUDGET_S:-570}
 IN=${IN:-1024}; OUTPUT=${OUTPUT:-128}; CONC=${CONC:-64,256}; NUM=${NUM:-256,512}
 RANK=${RANK:-16}; PORT=${PORT:-8000}; N_ADAPTERS=8
-AFF_CONC=${AFF_CONC:-256}; AFF_NUM=${AFF_NUM:-1024}
+AFF_CONC=${AFF_CONC:-256}; AFF_NUM=${AFF_NUM:-768}
 left() { echo $(( T0 + BUDGET - $(date +%s) )); }
 mkdir -p "$DEST/lora"
 ensure_model "$CONFIG"
