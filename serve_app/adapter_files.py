@@ -32,8 +32,8 @@ _MARKER = ".serve_app_adapter.json"
 
 def write_tiny_adapter(folder: Path, base: Path, seed: int = 1,
                        rank: int = TINY_ADAPTER_RANK) -> Path:
-    """Write a LoRA adapter for the tiny Llama at ``base`` (its ``config.json`` gives the
-    shapes) into ``folder``: PEFT's two files, weights deterministic from ``seed``. Idempotent:
+    """Write a LoRA adapter for the Llama at ``base`` (its ``config.json`` alone gives the
+    shapes: the tiny model or a config-only shape such as ``llama-3.1-8b``) into ``folder``: PEFT's two files, weights deterministic from ``seed``. Idempotent:
     a folder written with the same seed and rank is left as it is."""
     import torch
     from safetensors.torch import save_file

@@ -312,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)
 
-    p = sub.add_parser("make-adapter", help="write a tiny LoRA adapter (PEFT format, random "
-                       "weights) for the tiny model")
-    p.add_argument("--base", default="models/tiny-llama", help="the tiny model's folder")
+    p = sub.add_parser("make-adapter", help="write a LoRA adapter (PEFT format, random "
+                       "weights, q_proj and v_proj) for a Llama-shaped model")
+    p.add_argument("--base", default="models/tiny-llama", help="the model's folder (only its "
+                   "config.json is read: the tiny model or a config-only shape)")
     p.add_argument("--out", default="models/tiny-llama-lora", help="folder")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rank", type=int, default=8)

@@ -55,7 +55,7 @@ class Progress:
 
 def _payload(target: Target, req: PlannedRequest) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": target.model,
+        "model": req.tenant.model or target.model,
         "max_tokens": req.max_tokens,
         "ignore_eos": True,
         "temperature": 0.0,

@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=None,
                    help="uncounted requests before each run (default: the concurrency, min 2)")
     p.add_argument("--tenant", action="append", default=[],
-                   help="name:api_key:share, repeatable (multi-tenant mix)")
+                   help="name:api_key:share[:model], repeatable (multi-tenant mix); model: the "
+                   "`model` of the tenant's requests (a LoRA adapter's name; default --model)")
     p.add_argument("--prefix-groups", type=int, default=0, metavar="N",
                    help="shared-prefix mode: N groups (spread over the tenants round-robin), "
                    "each with its own prefix of --prefix-len tokens; every request is its "
@@ -154,7 +155,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                      + (f", {shape.sessions} sessions per round" if shape.sessions else "")
                      + (f", popularity skew {shape.skew:g}" if shape.skew else ""))
                     + f", output {args.output_len} tokens (ignore_eos), {args.num_requests} "
-                    f"requests per run, tenants {[t.name for t in tenants]}",
+                    f"requests per run, tenants "
+                    f"{[t.name + (f' -> {t.model}' if t.model else '') for t in tenants]}",
         "runs": runs,
         "service_over_time": service,
     }
@@ -184,19 +186,19 @@ def _kept(reqs: Any, sent: list[Any]) -> Any:
 
 
 def redact_keys(argv: list[str]) -> list[str]:
-    """``argv`` with the API keys of ``--tenant name:key:share`` replaced by ``***`` (results
-    files are shared; keys must not be in them)."""
+    """``argv`` with the API keys of ``--tenant name:key:share[:model]`` replaced by ``***``
+    (results files are shared; keys must not be in them)."""
+    def redacted(spec: str) -> str:
+        name, key, *rest = spec.split(":", 3)
+        return ":".join([name, "***" if key else "", *rest])
+
     out: list[str] = []
     for i, a in enumerate(argv):
         prev = argv[i - 1] if i else ""
-        if a.startswith("--tenant="):
-            name, _, rest = a[len("--tenant="):].partition(":")
-            key, _, share = rest.rpartition(":")
-            a = f"--tenant={name}:{'***' if key else ''}:{share}"
+        if a.startswith("--tenant=") and a.count(":") >= 2:
+            a = "--tenant=" + redacted(a[len("--tenant="):])
         elif prev == "--tenant" and a.count(":") >= 2:
-            name, _, rest = a.partition(":")
-            key, _, share = rest.rpartition(":")
-            a = f"{name}:{'***' if key else ''}:{share}"
+            a = redacted(a)
         out.append(a)
     return out
 

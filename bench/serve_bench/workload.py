@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Tenant:
-    """A client identity in the mix: its API key and its share of the requests."""
+    """A client identity in the mix: its API key, its share of the requests and the model its
+    requests name (None: the run's ``--model``; a LoRA adapter's name sends them to it)."""
 
     name: str
     api_key: str | None
     share: float
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -34,16 +36,19 @@ class PlannedRequest:
 
 
 def parse_tenants(specs: list[str]) -> list[Tenant]:
-    """``name:key:share`` (key may be empty) -> tenants; no specs -> one anonymous tenant."""
+    """``name:key:share[:model]`` (key may be empty; model, the ``model`` the tenant's requests
+    name, may hold colons and defaults to the run's) -> tenants; no specs -> one anonymous
+    tenant."""
     if not specs:
         return [Tenant("default", None, 1.0)]
     tenants = []
     for spec in specs:
-        parts = spec.split(":")
-        if len(parts) != 3:
-            raise ValueError(f"tenant {spec!r}: write name:api_key:share (key may be empty)")
-        name, key, share = parts
-        tenants.append(Tenant(name, key or None, float(share)))
+        parts = spec.split(":", 3)
+        if len(parts) < 3 or (len(parts) == 4 and not parts[3]):
+            raise ValueError(f"tenant {spec!r}: write name:api_key:share or "
+                             "name:api_key:share:model (key may be empty)")
+        name, key, share, *model = parts
+        tenants.append(Tenant(name, key or None, float(share), model[0] if model else None))
     if any(t.share <= 0 for t in tenants):
         raise ValueError("tenant shares must be positive")
     return tenants

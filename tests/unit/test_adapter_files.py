@@ -41,6 +41,27 @@ def test_tiny_adapter_is_peft_lora_with_the_model_shapes(tiny, tmp_path):
     assert float(a.abs().sum()) > 0  # real weights, not zeros
 
 
+def test_adapter_of_a_config_only_shape_has_its_grouped_query_shapes(tmp_path):
+    """The 8B shape's folder (config.json, no weights: `serve-app make-model llama-3.1-8b`) is
+    enough for a rank-16 adapter (issue 39's GPU bench): q_proj's B is heads x head_dim tall,
+    v_proj's only the KV heads' (grouped-query attention, 8 of 32)."""
+    from safetensors import safe_open
+
+    from serve_app.models import SHAPES
+
+    base = write_model("llama-3.1-8b", tmp_path / "m")
+    cfg = SHAPES["llama-3.1-8b"]
+    folder = write_tiny_adapter(tmp_path / "a", base, seed=3, rank=16)
+    assert read_adapter_config(folder)["r"] == 16
+    layer = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
+    with safe_open(str(folder / ADAPTER_WEIGHTS), "pt") as f:
+        assert len(f.keys()) == 2 * 2 * cfg["num_hidden_layers"]
+        shape = lambda *k: tuple(f.get_slice(layer.format(*k)).get_shape())  # noqa: E731
+        assert shape(0, "q_proj", "A") == shape(31, "v_proj", "A") == (16, cfg["hidden_size"])
+        assert shape(0, "q_proj", "B") == (cfg["num_attention_heads"] * cfg["head_dim"], 16)
+        assert shape(31, "v_proj", "B") == (cfg["num_key_value_heads"] * cfg["head_dim"], 16)
+
+
 def test_tiny_adapter_is_deterministic_by_seed(tiny, tmp_path):
     a = write_tiny_adapter(tmp_path / "a", tiny, seed=1)
     b = write_tiny_adapter(tmp_path / "b", tiny, seed=1)

@@ -18,11 +18,12 @@ TENANTS = [Tenant("default", None, 1.0)]
 
 
 async def _serve(delay_s: float) -> tuple[web.AppRunner, str, dict]:
-    state = {"in_flight": 0, "peak": 0, "prompts": []}
+    state = {"in_flight": 0, "peak": 0, "prompts": [], "models": []}
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         state["prompts"].append(body["prompt"])
+        state["models"].append(body["model"])
         state["in_flight"] += 1
         state["peak"] = max(state["peak"], state["in_flight"])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -111,3 +112,22 @@ def test_the_cli_imports_the_benchmark_package_only_for_its_subcommands(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert f"usage: serve-app {command}" in capsys.readouterr().out
+
+
+def test_each_tenant_sends_to_its_model():
+    """A tenant with a model (``name:key:share:model``) names it in every request; one without
+    names the run's model (issue 39: tenants each on their own LoRA adapter)."""
+    async def scenario() -> None:
+        runner, url, state = await _serve(0.001)
+        tenants = [Tenant("a", None, 1.0, "tune-a"), Tenant("b", None, 1.0)]
+        try:
+            reqs = plan(20, (4, 4), (2, 2), tenants, (10, 99), seed=2)
+            records, _ = await run_concurrency(Target(url, "base"), reqs, 1)
+        finally:
+            await runner.cleanup()
+        assert all(r.error is None for r in records)
+        assert state["models"] == ["tune-a" if r.tenant.name == "a" else "base" for r in reqs]
+        assert set(state["models"]) == {"tune-a", "base"}
+        assert [r.tenant for r in records] == [r.tenant.name for r in reqs]
+
+    asyncio.run(scenario())

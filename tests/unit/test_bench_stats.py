@@ -110,6 +110,23 @@ def test_bad_tenant_spec():
         parse_tenants(["just-a-name"])
 
 
+def test_a_tenant_may_name_its_model():
+    """A fourth field is the model the tenant's requests name (a LoRA adapter: issue 39's mix
+    of tenants each on its own adapter); adapter names may hold colons."""
+    a, b, c = parse_tenants(["a:key-a:3:tune-a", "b::1", "c:k:1:org/tune:v2"])
+    assert (a.name, a.api_key, a.share, a.model) == ("a", "key-a", 3.0, "tune-a")
+    assert b.model is None
+    assert c.model == "org/tune:v2"
+    p = plan(40, (4, 4), (2, 2), [a, b], (10, 250), seed=1)
+    assert {r.tenant.model for r in p} == {"tune-a", None}
+
+
+@pytest.mark.parametrize("bad", ["a:k", "a:k:1:", "a:k:x:m"])
+def test_bad_tenant_specs_with_a_model(bad):
+    with pytest.raises(ValueError):
+        parse_tenants([bad])
+
+
 def test_recorded_command_never_holds_api_keys():
     from serve_bench.runner import redact_keys
 
@@ -118,6 +135,11 @@ def test_recorded_command_never_holds_api_keys():
     out = " ".join(redact_keys(argv))
     assert "secret" not in out and "other" not in out
     assert "a:***:2" in out and "--tenant=b:***:1" in out and "c::1" in out and "4" in out
+    argv = ["--tenant", "a:sk-sa-secret:2:tune-a", "--tenant=b:sk-sa-other:1:org/t:v2",
+            "--tenant", "c::1:tune-c"]
+    out = redact_keys(argv)
+    assert out == ["--tenant", "a:***:2:tune-a", "--tenant=b:***:1:org/t:v2", "--tenant",
+                   "c::1:tune-c"]
 
 
 def test_paired_difference_recovers_the_gap_under_shared_drift():
