@@ -39,7 +39,7 @@ from typing import Callable
 
 from serve_app.engine.protocol import GenerationRequest
 from serve_app.routing.policy import Candidate, Choice, RoutingPolicy
-from serve_app.routing.prefix_affinity import rendezvous_order
+from serve_app.routing.prefix_affinity import load_bound, rendezvous_order
 from serve_app.routing.prefix_index import PrefixIndex
 from serve_app.routing.prefix_key import adapter_key
 
@@ -94,10 +94,8 @@ class AdapterPlacement:
         order = rendezvous_order(key.digest, list(load))
         holders = [rid for rid in order if index.holds_adapter(rid, key.name)]
         holders = holders[:self.adapter_replicas] or order[:1]
-        known = [v for v in load.values() if v is not None]
-        # The most a replica may hold before it takes this request (prefix_affinity's bound).
-        bound = max(min(known) + self.imbalance_margin,
-                    self.load_factor * (sum(known) + 1) / len(known) - 1) if known else None
+        bound = load_bound([v for v in load.values() if v is not None],
+                           self.imbalance_margin, self.load_factor)
 
         def within(rid: str) -> bool:
             v = load[rid]

@@ -47,6 +47,18 @@ def rendezvous_order(key: bytes, replica_ids: list[str]) -> list[str]:
     return sorted(replica_ids, key=lambda rid: (_weight(key, rid), rid), reverse=True)
 
 
+def load_bound(loads: list[int], imbalance_margin: int, load_factor: float) -> float | None:
+    """The most a replica may hold before it takes one more request, from the candidates'
+    known ``loads`` (the module's docstring): the larger of ``imbalance_margin`` above the
+    least-loaded and ``load_factor`` times the mean with the request. None when no load is
+    known (then every replica counts as within it). The bound of every load-bounded policy
+    (``prefix_affinity``, ``prefix_cache``, adapter placement)."""
+    if not loads:
+        return None
+    return max(min(loads) + imbalance_margin,
+               load_factor * (sum(loads) + 1) / len(loads) - 1)
+
+
 def _weight(key: bytes, replica_id: str) -> int:
     h = hashlib.blake2b(key, digest_size=8)
     h.update(replica_id.encode())
@@ -83,11 +95,8 @@ class PrefixAffinity:
             return Choice("cold")
         load = {c.replica_id: c.load for c in candidates}
         order = rendezvous_order(key, list(load))
-        known = [v for v in load.values() if v is not None]
-        # The most a replica may hold before it takes this request: the larger of the two
-        # bounds (the module's docstring). None when no load is known.
-        bound = max(min(known) + self.imbalance_margin,
-                    self.load_factor * (sum(known) + 1) / len(known) - 1) if known else None
+        bound = load_bound([v for v in load.values() if v is not None],
+                           self.imbalance_margin, self.load_factor)
 
         def within(rid: str) -> bool:
             v = load[rid]

@@ -44,7 +44,7 @@ from typing import Callable
 
 from serve_app.engine.protocol import GenerationRequest
 from serve_app.routing.policy import Candidate, Choice
-from serve_app.routing.prefix_affinity import rendezvous_order
+from serve_app.routing.prefix_affinity import load_bound, rendezvous_order
 from serve_app.routing.prefix_blocks import BlockHasher, PromptBlocks
 from serve_app.routing.prefix_index import PrefixIndex
 
@@ -110,9 +110,7 @@ class PrefixCache:
                                else c.load) for c in candidates}
         known = [v for v in load.values() if v is not None]
         low = min(known) if known else 0
-        # The most a replica may hold before it takes this request (prefix_affinity's bound).
-        bound = max(low + self.imbalance_margin,
-                    self.load_factor * (sum(known) + 1) / len(known) - 1) if known else None
+        bound = load_bound(known, self.imbalance_margin, self.load_factor)
         first = (key.session if key.session is not None else key.blocks[0]).to_bytes(8, "big")
         tie = {rid: i for i, rid in enumerate(rendezvous_order(first, ids))}
 
