@@ -22,7 +22,6 @@ import argparse
 import json
 import re
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +50,9 @@ def parse_swaps(text: str) -> dict[str, dict[str, float]]:
 
 def read_swaps(sd_file: str) -> dict[str, dict[str, float]]:
     """:func:`parse_swaps` of every metrics agent, summed (one read)."""
-    targets = [t for group in json.loads(Path(sd_file).read_text()) for t in group["targets"]]
-    total: dict[str, dict[str, float]] = {}
-    for target in targets:
-        try:
-            text = urllib.request.urlopen(f"http://{target}/metrics", timeout=10).read().decode()
-        except OSError as err:
-            print(f"cannot scrape {target}: {err}", file=sys.stderr)
-            continue
-        for replica, counts in parse_swaps(text).items():
-            per = total.setdefault(replica, dict.fromkeys(EVENTS, 0.0))
-            for k, v in counts.items():
-                per[k] = per.get(k, 0.0) + v
-    return total
+    from prefix_affinity_report import read_agents
+
+    return read_agents(sd_file, parse_swaps, EVENTS)
 
 
 def swap_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, float]]:

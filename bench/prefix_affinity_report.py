@@ -29,7 +29,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"  # Ray's default temp dir
 COUNTERS = {"queries": "ray_vllm_prefix_cache_queries_total",
@@ -68,8 +68,11 @@ def scrape(out: Path, sd_file: str, min_finished: float = 0, timeout_s: float = 
     out.write_text(json.dumps(total, indent=1))
 
 
-def read_counters(sd_file: str) -> dict[str, dict[str, float]]:
-    """The counters of every metrics agent, per replica (one read)."""
+def read_agents(sd_file: str, parse: Callable[[str], dict[str, dict[str, float]]],
+                keys: Iterable[str]) -> dict[str, dict[str, float]]:
+    """``parse`` (a metrics page -> replica -> {key: value}) of every metrics agent that Ray's
+    service-discovery file ``sd_file`` names, summed per replica and key (one read); each
+    replica starts from 0 for every one of ``keys``."""
     targets = [t for group in json.loads(Path(sd_file).read_text()) for t in group["targets"]]
     total: dict[str, dict[str, float]] = {}
     for target in targets:
@@ -78,11 +81,16 @@ def read_counters(sd_file: str) -> dict[str, dict[str, float]]:
         except OSError as err:
             print(f"cannot scrape {target}: {err}", file=sys.stderr)
             continue
-        for rid, counts in parse_counters(text).items():
-            per = total.setdefault(rid, dict.fromkeys(COUNTERS, 0.0))
+        for rid, counts in parse(text).items():
+            per = total.setdefault(rid, dict.fromkeys(keys, 0.0))
             for k, v in counts.items():
-                per[k] += v
+                per[k] = per.get(k, 0.0) + v
     return total
+
+
+def read_counters(sd_file: str) -> dict[str, dict[str, float]]:
+    """The counters of every metrics agent, per replica (one read)."""
+    return read_agents(sd_file, parse_counters, COUNTERS)
 
 
 def sample(out: Path, address: str, interval_s: float) -> None:

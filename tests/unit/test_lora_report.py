@@ -65,3 +65,38 @@ def test_affinity_table_rows_and_ratios_over_repeats(tmp_path):
             "a0 a1; r2: 0 / 0, 4 req, none | 0 |") in text
     assert ("prefix_cache / power_of_two (2 and 2 arm(s), means): TTFT p50 **0.60x**" in text)
     assert "output throughput **1.20x**, adapter loads per arm 30 -> 5" in text
+
+
+def test_read_swaps_sums_every_agent_and_skips_one_that_does_not_answer(tmp_path):
+    """The shared agent reader (prefix_affinity_report.read_agents): two agents serving the
+    page are summed per replica; a target that refuses the connection is skipped."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = PAGE.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Page) for _ in range(2)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        dead = free.getsockname()[1]
+    targets = [f"127.0.0.1:{s.server_address[1]}" for s in servers] + [f"127.0.0.1:{dead}"]
+    sd = tmp_path / "sd.json"
+    sd.write_text(json.dumps([{"targets": targets}]))
+    try:
+        assert report.read_swaps(str(sd)) == {"r1": {"load": 10.0, "evict": 2.0},
+                                              "r2": {"load": 2.0, "evict": 0.0}}
+    finally:
+        for s in servers:
+            s.shutdown()
