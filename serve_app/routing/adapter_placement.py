@@ -7,21 +7,22 @@ Each replica reports the adapters its engine holds (:attr:`EngineLoad.adapters`,
 :class:`~serve_app.routing.prefix_index.PrefixIndex`: the same facts on every router, so they
 choose alike. For a request naming adapter A, among the candidates:
 
-* A's order: rendezvous order of A's key over the candidates (the same on every router);
+* A's order: rendezvous order of A's key over the candidates (the same on every router).
   A's holders: the candidates that report A loaded, in that order, the first
   ``adapter_replicas`` of them (more may still report it from earlier traffic: they are not
-  sent more, and their LRU drops it). No holder yet: the first of A's order is its holder
-  (it loads A with the request).
-* The request goes to the first holder within the load bound (``prefix_affinity``'s bound:
-  at most ``load_factor`` x the mean load with it, or ``imbalance_margin`` above the
-  least-loaded) - the first, not the least-loaded, so that when A's traffic falls back
-  under the bound it all goes to one replica again and the others' LRU drops A (shrinking).
-  Reason ``affinity``.
-* Every holder past the bound and fewer than ``adapter_replicas`` holders: the first
-  candidate of A's order within the bound that does not hold A takes it (growing: it loads
-  A, reports it, and from the next view counts as a holder). Reason ``load_fallback``.
-* Every holder past the bound and ``adapter_replicas`` of them: the least-loaded holder (the
-  request waits there rather than load A on one more replica). Reason ``affinity``.
+  sent more, and their LRU drops it).
+* A's placement: its holders, then the first candidates of A's order that do not hold it, up
+  to ``adapter_replicas`` replicas in all. It is fixed by the view, not by this router's sends:
+  within a burst, before the feed reports a replica that began loading A as a holder, the
+  overflow still goes to that replica, never to a third one.
+* The request goes to the first replica of the placement within the load bound
+  (``prefix_affinity``'s bound: at most ``load_factor`` x the mean load with it, or
+  ``imbalance_margin`` above the least-loaded) - the first, not the least-loaded, so that when
+  A's traffic falls back under the bound it all goes to one replica again and the others' LRU
+  drops A (shrinking). Reason ``affinity`` where that replica holds A (or A is held nowhere
+  and it is the first of A's order), ``load_fallback`` where it will load A (growing).
+* Every replica of the placement past the bound: the least-loaded of them (the request waits
+  there rather than load A on one more replica).
 
 A replica's load is the higher of the engine feed's figure (:meth:`PrefixIndex.load`: the same
 on every router, fresh within a poll; it counts this router's sends since the poll only where
@@ -93,7 +94,9 @@ class AdapterPlacement:
         load = {c.replica_id: _higher(index.load(c.replica_id), c.load) for c in candidates}
         order = rendezvous_order(key.digest, list(load))
         holders = [rid for rid in order if index.holds_adapter(rid, key.name)]
-        holders = holders[:self.adapter_replicas] or order[:1]
+        holders = holders[:self.adapter_replicas]
+        placement = holders + [rid for rid in order
+                               if rid not in holders][:self.adapter_replicas - len(holders)]
         bound = load_bound([v for v in load.values() if v is not None],
                            self.imbalance_margin, self.load_factor)
 
@@ -101,22 +104,14 @@ class AdapterPlacement:
             v = load[rid]
             return bound is None or v is None or v <= bound
 
-        def ranked(first: str) -> tuple[str, ...]:
-            return (first, *(rid for rid in holders if rid != first),
-                    *(rid for rid in order if rid != first and rid not in holders))
-
-        home = next((rid for rid in holders if within(rid)), None)
-        if home is not None:
-            return Choice("affinity", ranked(home))
-        if len(holders) < self.adapter_replicas:
-            # Some candidate is within the bound (the least-loaded always is): it grows A.
-            grow = next((rid for rid in order if rid not in holders and within(rid)), None)
-            if grow is not None:
-                return Choice("load_fallback", ranked(grow))
-        least = min(holders, key=lambda rid: (load[rid] if load[rid] is not None else 0,
-                                              holders.index(rid)))
-        return Choice("affinity", ranked(least))
-
+        pick = next((rid for rid in placement if within(rid)), None)
+        if pick is None:
+            pick = min(placement, key=lambda rid: (load[rid] if load[rid] is not None else 0,
+                                                   placement.index(rid)))
+        ranked = (pick, *(rid for rid in placement if rid != pick),
+                  *(rid for rid in order if rid not in placement))
+        grows = pick not in (holders or order[:1])
+        return Choice("load_fallback" if grows else "affinity", ranked)
 
 def _higher(a: int | None, b: int | None) -> int | None:
     """The higher of two load figures, either of which may be unknown (None)."""

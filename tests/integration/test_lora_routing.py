@@ -1,8 +1,10 @@
 """Adapter placement on the real router and Serve (issue 39): a LoRA adapter's requests go to
 the replica that reports it loaded, and past the load bound a second replica takes them (and
-then reports it too); once the burst is over they all go to the first again.
+then reports it too), never a third (``routing.adapter_replicas`` 2: past the bound on both,
+the requests wait on the less loaded of the two); once the burst is over they all go to the
+first again.
 
-Two replicas of the scripted engine (vLLM's batch and the adapters' LRU, no model: an adapter
+Three replicas of the scripted engine (vLLM's batch and the adapters' LRU, no model: an adapter
 loads at once and each replica reports what it holds, as the vLLM engine does), the suite's
 router configuration and tenants, one adapter open to every tenant. Which replica served what
 is read from the router's own view (``admission_state``: each replica's ``requests_total`` and
@@ -24,6 +26,7 @@ APP, PREFIX, MODEL, ADAPTER = "lora-routing", "/lora-routing", "scripted-lora", 
 BATCH = 4
 MARGIN = 2  # routing.imbalance_margin: a replica takes a request while it holds <= 2 more
 BURST = 12  # concurrent requests: more than one replica's bound from any one router
+REPLICAS = 3  # one more than the adapter may sit on
 TOKENS = 50  # a burst request holds its place 50 steps (1 s): the burst overlaps
 
 
@@ -38,10 +41,11 @@ def app(stack):
 
     model = ModelSettings(
         name=MODEL, path=str(stack["path"]), device="cpu", max_model_len=2048,
-        autoscaling=AutoscalingSettings(min_replicas=2, max_replicas=2),
+        autoscaling=AutoscalingSettings(min_replicas=REPLICAS, max_replicas=REPLICAS),
         lora=LoraSettings(max_loras=1, max_lora_rank=8),
         adapters=[AdapterSettings(name=ADAPTER, path="org/tune-a", owners=["public"])],
-        routing=RoutingSettings(policy="prefix_affinity", imbalance_margin=MARGIN),
+        routing=RoutingSettings(policy="prefix_affinity", imbalance_margin=MARGIN,
+                                adapter_replicas=2),
         engine_kwargs={"max_num_seqs": BATCH, "scripted_step_s": 0.02})
     serve.run(build_app(stack["config"].model_copy(update={"models": [model]}),
                         SCRIPTED_ENGINE_CLASS), name=APP, route_prefix=PREFIX, blocking=False)
@@ -61,9 +65,9 @@ def app(stack):
     # The router's feed polls the replicas once the model has had work: one base request.
     assert send(model=MODEL) == 200
     try:
-        wait_until(lambda: len(replicas()) == 2, 60, 0.1)
+        wait_until(lambda: len(replicas()) == REPLICAS, 60, 0.1)
     except AssertionError:  # say what Serve sees of the model's replicas
-        raise AssertionError(f"two replicas not in the router's view: {replicas()}; "
+        raise AssertionError(f"{REPLICAS} replicas not in the router's view: {replicas()}; "
                              f"{serve.status().applications[APP]}") from None
     yield {"replicas": replicas, "send": send}
     serve.delete(APP)
@@ -90,21 +94,25 @@ def test_an_adapters_requests_follow_its_replica_and_spill_past_the_bound(app):
     quiet = wait_until(lambda: _settled(s, 6, start), 30, 0.05)
     served = _served(start, quiet)
     home = max(served, key=served.__getitem__)
-    other = next(rid for rid in served if rid != home)
-    assert served == {home: 6, other: 0}, served
+    others = [rid for rid in served if rid != home]
+    assert served == {home: 6, **{rid: 0 for rid in others}}, served
     wait_until(lambda: s["replicas"]()[home]["adapters"] == [ADAPTER], 30, 0.05)
-    assert s["replicas"]()[other]["adapters"] == []
+    assert all(s["replicas"]()[rid]["adapters"] == [] for rid in others)
 
-    # A burst: past its bound the home replica's overflow goes to the other, which loads it.
+    # A burst: past its bound the home replica's overflow goes to a second replica, which
+    # loads it; past the bound on both, the rest wait on them: the third is never sent one.
     with ThreadPoolExecutor(BURST) as pool:
         statuses = list(pool.map(lambda _: s["send"](TOKENS), range(BURST)))
     assert statuses == [200] * BURST
     burst = wait_until(lambda: _settled(s, BURST, quiet), 30, 0.05)
     spread = _served(quiet, burst)
-    assert spread[home] > MARGIN and spread[other] > 0, spread
-    wait_until(lambda: s["replicas"]()[other]["adapters"] == [ADAPTER], 30, 0.05)
+    second = max(others, key=spread.__getitem__)
+    third = next(rid for rid in others if rid != second)
+    assert spread[home] > MARGIN and spread[second] > 0 and spread[third] == 0, spread
+    wait_until(lambda: s["replicas"]()[second]["adapters"] == [ADAPTER], 30, 0.05)
+    assert s["replicas"]()[third]["adapters"] == []
 
-    # The burst over (the view counts no request on either replica), both hold it; one at a
+    # The burst over (the view counts no request on any replica), two hold it; one at a
     # time they all go to the first holder again (the other's LRU would drop it as other
     # adapters come).
     wait_until(lambda: all(r["active"] == 0 and r["running"] + r["waiting"] == 0
@@ -112,5 +120,5 @@ def test_an_adapters_requests_follow_its_replica_and_spill_past_the_bound(app):
     for _ in range(6):
         assert s["send"]() == 200
     after = wait_until(lambda: _settled(s, 6, burst), 30, 0.05)
-    assert _served(burst, after) == {home: 6, other: 0}, _served(burst, after)
+    assert _served(burst, after) == {home: 6, second: 0, third: 0}, _served(burst, after)
     print(f"\nsequential on {home[-6:]}: 6 + 6; burst of {BURST}: {spread}")

@@ -169,3 +169,21 @@ def test_serves_queue_lengths_count_a_burst_the_feed_has_not_seen_yet():
     key = policy.key(_request("t", "hi", "tune"))
     busy = policy.choose(key, [Candidate(r, 9 if r == home else 0) for r in REPLICAS])
     assert busy.reason == "load_fallback" and busy.ranked[0] != home
+
+
+def test_a_burst_grows_an_adapter_onto_k_replicas_before_the_feed_reports_the_second():
+    """Regression: growth was decided by the holders the feed reported, so within a burst the
+    replica that began loading the adapter (not yet reported) counted as no holder, and once it
+    too was past the bound a third replica was grown: K was exceeded until the next poll."""
+    policy, index = _placement(k=2)
+    home = REPLICAS[0]
+    _view(index, {}, {home: ("tune",)})  # the feed: only home holds it, all idle
+    key = policy.key(_request("t", "hi", "tune"))
+    second = policy.choose(key, [Candidate(r, 9 if r == home else 0) for r in REPLICAS])
+    assert second.reason == "load_fallback"
+    grown = second.ranked[0]
+    # This router's own sends put home and the growing second past the bound.
+    busy = [Candidate(r, 9 if r in (home, grown) else 0) for r in REPLICAS]
+    for _ in range(3):
+        choice = policy.choose(key, busy)
+        assert choice.ranked[0] in (home, grown), choice
