@@ -86,3 +86,32 @@ ensure_model() {  # config: write the config's model folder if it is missing (a 
   [ -z "${SHAPE:-}" ] && [ "$device" = gpu ] && shape=llama-3.1-8b
   ${PY:-python3} -m serve_app.cli make-model "$shape" --out "$path"
 }
+
+start_cluster() {  # dir gpus [cpus]: a local Ray cluster of one node per listed GPU
+  # (tests/integration/local_cluster.py: "0,0" is two nodes sharing device 0, "0,1" one device
+  # each); sets CLUSTER (its pid) and ADDRESS, and stops it (stop_cluster) when the script exits.
+  # The cluster runs until its stdin closes, then shuts its nodes down: its stdin is a fifo
+  # whose only writer is this script (a `sleep` holding it open outlived the script, and with
+  # it whatever file the script had open, such as a lock).
+  local dir=$1
+  rm -f "$dir/cluster.stdin" "$dir/cluster.json"
+  mkfifo "$dir/cluster.stdin"
+  CLUSTER_GPUS=$2 CLUSTER_CPUS=${3:-8} ${PY:-python3} -m tests.integration.local_cluster serve \
+    < "$dir/cluster.stdin" > "$dir/cluster.json" 2> "$dir/cluster.log" &
+  CLUSTER=$!
+  exec {CLUSTER_HOLD}> "$dir/cluster.stdin"
+  trap 'stop_cluster' EXIT
+  for _ in $(seq 120); do [ -s "$dir/cluster.json" ] && break; sleep 1; done
+  ADDRESS=$(${PY:-python3} -c "import json, sys; print(json.load(open(sys.argv[1]))['address'])" \
+    "$dir/cluster.json") || { tail -n 30 "$dir/cluster.log"; stop_cluster; return 1; }
+}
+
+stop_cluster() {  # Serve (its HAProxy with it) down first, then the cluster's nodes
+  [ -n "${CLUSTER:-}" ] || return 0
+  [ -n "${ADDRESS:-}" ] && timeout 60 ${PY:-python3} -c "import ray, sys; from ray import serve; ray.init(address=sys.argv[1], log_to_driver=False); serve.shutdown()" \
+    "$ADDRESS" > /dev/null 2>&1
+  exec {CLUSTER_HOLD}>&-
+  for _ in $(seq 120); do kill -0 "$CLUSTER" 2>/dev/null || break; sleep 1; done
+  kill "$CLUSTER" 2>/dev/null
+  CLUSTER=
+}

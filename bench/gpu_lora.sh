@@ -168,16 +168,7 @@ part_affinity() {
   rm -rf "$dir"; mkdir -p "$dir"
   [ "$(left)" -ge "$(( ${AFF_START_S:-150} + ${AFF_ARM_S:-80} ))" ] || {
     echo "no time left for the affinity part: $(left)s"; return 0; }
-  # The cluster runs until its stdin closes: a fifo whose only writer is this script.
-  mkfifo "$dir/cluster.stdin"
-  CLUSTER_GPUS=${GPUS-0,0} CLUSTER_CPUS=${CPUS:-8} $PY -m tests.integration.local_cluster serve \
-    < "$dir/cluster.stdin" > "$dir/cluster.json" 2> "$dir/cluster.log" &
-  CLUSTER=$!
-  exec {HOLD}> "$dir/cluster.stdin"
-  trap 'stop_cluster' EXIT
-  for _ in $(seq 120); do [ -s "$dir/cluster.json" ] && break; sleep 1; done
-  ADDRESS=$($PY -c "import json; print(json.load(open('$dir/cluster.json'))['address'])") || {
-    tail -n 30 "$dir/cluster.log"; return 1; }
+  start_cluster "$dir" "${GPUS-0,0}" "${CPUS:-8}" || return 1
   # The cluster's own metrics targets (not whichever Ray started last on this machine).
   local session
   session=$($PY -c "import ray; ray.init(address='$ADDRESS', log_to_driver=False); print(ray._private.worker._global_node.get_session_dir_path())" 2> "$dir/session.log" | tail -n 1)
@@ -224,16 +215,6 @@ $(tenant_args lora)"
     echo; echo "Engines' KV caches:"; sed 's/^/    /' "$dir/kv-cache.txt"
     echo
   } >> "$REPORT"
-}
-
-stop_cluster() {  # Serve (its HAProxy with it) down first, then the cluster's nodes
-  [ -n "${CLUSTER:-}" ] || return 0
-  [ -n "${ADDRESS:-}" ] && timeout 60 $PY -c "import ray; from ray import serve; ray.init(address='$ADDRESS', log_to_driver=False); serve.shutdown()" \
-    > /dev/null 2>&1
-  exec {HOLD}>&-
-  for _ in $(seq 120); do kill -0 "$CLUSTER" 2>/dev/null || break; sleep 1; done
-  kill "$CLUSTER" 2>/dev/null
-  CLUSTER=
 }
 
 {

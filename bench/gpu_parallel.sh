@@ -93,12 +93,7 @@ case $RUN in
     ;;
   pp2-2nodes)
     echo "### PP=2 over two Ray nodes of one GPU each" > "$REPORT"
-    CLUSTER_GPUS=0,1 CLUSTER_CPUS=8 $PY -m tests.integration.local_cluster serve \
-      < <(sleep 100000) > "$DIR/cluster.json" 2> "$DIR/cluster.log" &
-    CLUSTER=$!
-    for _ in $(seq 120); do [ -s "$DIR/cluster.json" ] && break; sleep 1; done
-    ADDRESS=$($PY -c "import json; print(json.load(open('$DIR/cluster.json'))['address'])") || {
-      tail -n 30 "$DIR/cluster.log"; kill "$CLUSTER"; exit 1; }
+    start_cluster "$DIR" 0,1 8 || exit 1
     gpu_tests deployments/gpu-pp2-2nodes.yaml SERVE_APP_GPU_ADDRESS="$ADDRESS" \
       SERVE_APP_GPU_REPLICA_NODES=2
     $PY - "$DIR/placement.json" <<'PY' | tee -a "$REPORT"
@@ -109,7 +104,7 @@ for g in p["placement_groups"].values():
     for i, b in g["bundles"].items():
         print(f"- bundle {i} {b} on node {g['bundles_to_node_id'][i][:12]}")
 PY
-    kill "$CLUSTER"; wait "$CLUSTER" 2>/dev/null
+    stop_cluster
     ;;
   2replicas)
     IN=${IN:-1024}; OUT_LEN=${OUT_LEN:-128}

@@ -137,18 +137,7 @@ arm() {  # workload policy seed
   grep -A4 "^## Runs" "$d/summary.md" 2>/dev/null || tail -n 5 "$d/bench.log"
 }
 
-# The cluster runs until its stdin closes, then shuts its nodes down: its stdin is a fifo whose
-# only writer is this script (a `sleep` holding it open outlived the script, and with it
-# whatever file the script had open, such as a lock).
-mkfifo "$DIR/cluster.stdin"
-CLUSTER_GPUS=${GPUS-0,0} CLUSTER_CPUS=${CPUS:-8} $PY -m tests.integration.local_cluster serve \
-  < "$DIR/cluster.stdin" > "$DIR/cluster.json" 2> "$DIR/cluster.log" &
-CLUSTER=$!
-exec {HOLD}> "$DIR/cluster.stdin"
-trap 'exec {HOLD}>&-; for _ in $(seq 120); do kill -0 $CLUSTER 2>/dev/null || break; sleep 1; done; kill $CLUSTER 2>/dev/null' EXIT
-for _ in $(seq 120); do [ -s "$DIR/cluster.json" ] && break; sleep 1; done
-ADDRESS=$($PY -c "import json; print(json.load(open('$DIR/cluster.json'))['address'])") || {
-  tail -n 30 "$DIR/cluster.log"; exit 1; }
+start_cluster "$DIR" "${GPUS-0,0}" "${CPUS:-8}" || exit 1
 require_free_port "$PORT" || exit 1
 SEED=100
 for policy in ${POLICIES:-power_of_two prefix_affinity}; do
