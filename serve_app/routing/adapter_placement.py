@@ -113,6 +113,7 @@ class AdapterPlacement:
         grows = pick not in (holders or order[:1])
         return Choice("load_fallback" if grows else "affinity", ranked)
 
+
 def _higher(a: int | None, b: int | None) -> int | None:
     """The higher of two load figures, either of which may be unknown (None)."""
     return b if a is None else a if b is None else max(a, b)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import httpx
 import pytest
@@ -36,7 +37,6 @@ MODEL = "tiny-prefix-cache"
 TENANT = "team-a"
 HASHER = BlockHasher(block_tokens=16, chars_per_token=4)  # blocks of 64 characters
 FEED_POLL_S = 0.05
-SETTLE_S = 0.5  # several engine-feed polls of both routers
 SYSTEM = {"role": "system", "content": ("You answer questions about the team handbook, "
                                         "citing its sections. " * 6)}
 
@@ -117,22 +117,27 @@ def app(stack):
     def state() -> list[dict]:
         return router.admission_state.remote().result(timeout_s=30)[MODEL]["per_replica"]
 
-    def quiet() -> None:
-        """Wait until the feed shows every replica holding nothing, on several reads in a row
-        (the handle picks a router each time, so both routers' feeds are read): a request
-        whose response has arrived may still count on its replica for a poll, and the policy
-        sends a request cached nowhere to the least-loaded replica."""
+    def steadily(check: Callable[[list[dict]], bool], what: str) -> None:
+        """Wait until ``check`` holds for the feed's view on six reads in a row (the handle
+        picks a router each time, so both routers' feeds are read)."""
         in_a_row, seen = [0], []
 
-        def empty() -> bool:
+        def held() -> bool:
             seen[:] = state()
-            held = [max(r["active"], r["running"] + r["waiting"]) for r in seen]
-            in_a_row[0] = in_a_row[0] + 1 if len(held) == 3 and not any(held) else 0
+            in_a_row[0] = in_a_row[0] + 1 if check(seen) else 0
             return in_a_row[0] >= 6
         try:
-            wait_until(empty, 30, FEED_POLL_S)
+            wait_until(held, 30, FEED_POLL_S)
         except AssertionError:
-            raise AssertionError(f"the replicas did not go quiet; last read: {seen}") from None
+            raise AssertionError(f"{what}; last read: {seen}") from None
+
+    def quiet() -> None:
+        """Wait until the feed shows every replica holding nothing: a request whose response
+        has arrived may still count on its replica for a poll, and the policy sends a request
+        cached nowhere to the least-loaded replica."""
+        steadily(lambda seen: len(seen) == 3 and not any(
+            max(r["active"], r["running"] + r["waiting"]) for r in seen),
+            "the replicas did not go quiet")
 
     def busy(replica: str, n: int = 3) -> ThreadPoolExecutor:
         """``n`` long requests (4 s each) on ``replica``: a session key whose rendezvous order
@@ -147,14 +152,18 @@ def app(stack):
                 "max_tokens": 200, "ignore_eos": True}
         futures = [pool.submit(post, **body)]
 
-        def on(rid: str, at_least: int) -> bool:
-            return any(r["replica"] == rid and r["active"] >= at_least for r in state())
-        # Started, recorded by the replica and seen on the feed (both routers poll it).
-        wait_until(lambda: on(replica, 1) or any(on(r, 1) for r in ids_now), 30, FEED_POLL_S)
-        assert on(replica, 1), ("the busy work did not start on its replica", replica, state())
-        time.sleep(SETTLE_S)  # several polls of the other router too
+        def on(seen: list[dict], rid: str, at_least: int) -> bool:
+            return any(r["replica"] == rid and r["active"] >= at_least for r in seen)
+        # Started, recorded by the replica and seen on the feed; judged on the read that first
+        # shows it (the next read may come from the other router, whose poll is still due).
+        started = wait_until(lambda: (seen := state()) and any(
+            on(seen, r, 1) for r in ids_now) and seen, 30, FEED_POLL_S)
+        assert on(started, replica, 1), ("the busy work did not start on its replica",
+                                         replica, started)
+        steadily(lambda seen: on(seen, replica, 1),
+                 "both routers did not see the busy work")  # then they send the rest there
         futures += [pool.submit(post, **body) for _ in range(n - 1)]
-        wait_until(lambda: on(replica, n), 30, FEED_POLL_S)
+        wait_until(lambda: on(state(), replica, n), 30, FEED_POLL_S)
         pool.futures = futures  # type: ignore[attr-defined]
         return pool
 
