@@ -258,6 +258,16 @@ def serving_dashboard() -> dict[str, Any]:
                "short", 12, 112,
                "Prompt and completion tokens per adapter: the share of the base model's "
                "engines each fine-tune takes."),
+        _panel(31, "LoRA adapter loads and evictions per second",
+               [(f"sum by (model, adapter, event) "
+                 f"(rate({_sel('ray_serve_app_adapter_swaps_total')}{rate}))",
+                 "{{model}}/{{adapter}} {{event}}")],
+               "ops", 0, 120,
+               "The engines' adapter swaps: load (an adapter read into a replica's LoRA slots "
+               "for a request) and evict (the least recently used dropped to make room). "
+               "Loads that keep pace with requests in panel 29 mean thrashing: more adapters "
+               "in use than max_loras x replicas, or routing.adapter_replicas spreading an "
+               "adapter too thin."),
     ]
     return {
         "uid": "serve-app-serving",

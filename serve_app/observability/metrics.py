@@ -17,6 +17,9 @@ class Metric:
     kind: Literal["counter", "gauge", "histogram"]
     source: Literal["serve", "vllm", "router"]
     help: str
+    # Exported only by a model that serves LoRA adapters: the suite's default stack has no
+    # series of it, so its panels are checked against the LoRA app (tests/integration/test_lora.py).
+    adapters_only: bool = False
 
 
 METRICS: dict[str, Metric] = {
@@ -109,13 +112,16 @@ METRICS: dict[str, Metric] = {
                "least recently used, to make room in its max_cpu_loras). Loads well above the "
                "adapters in use: more adapters in use than the replicas' slots, or routing "
                "spreading an adapter (routing.adapter_replicas). Counted by the LLMServer "
-               "replica."),
+               "replica.", adapters_only=True),
         Metric("ray_vllm_prefix_cache_queries_total", "counter", "vllm",
                "Prompt tokens the engine looked up in its prefix cache."),
         Metric("ray_vllm_prefix_cache_hits_total", "counter", "vllm",
                "Prompt tokens the engine found in its prefix cache (not computed again)."),
     ]
 }
+
+# The series only a model serving LoRA adapters exports.
+ADAPTERS_ONLY = frozenset(m.name for m in METRICS.values() if m.adapters_only)
 
 # Names the project registers with Ray (``ray.serve.metrics``; source "router" above: the
 # router's, and adapter_swaps, the LLMServer's); Ray's exporter adds the ``ray_`` prefix and a

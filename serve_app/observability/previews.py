@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from serve_app.observability.dashboards import DASHBOARD_DIR, DASHBOARDS
+from serve_app.observability.metrics import ADAPTERS_ONLY
 
 # Grafana's default maximum of data points per panel is about its width in pixels.
 MAX_DATA_POINTS = 600
@@ -52,6 +53,12 @@ class PanelQuery:
     expr: str
     legend: str
     unit: str
+
+    @property
+    def adapters_only(self) -> bool:
+        """Whether the query reads a series only a model serving LoRA adapters exports: it
+        draws nothing on a stack without adapters, which is not a broken panel."""
+        return any(name in self.expr for name in ADAPTERS_ONLY)
 
 
 def grafana_step(range_s: float, scrape_interval_s: float) -> float:

@@ -65,6 +65,18 @@ PORT_TRIES = 3
 SUITE_INGRESS_DRAIN_S = "3"
 
 
+@pytest.fixture(scope="module")
+def prometheus(stack, tmp_path_factory):
+    """URL of a Prometheus scraping the running stack's Ray metrics agents (the committed
+    scrape config); skips where the binary is absent."""
+    from .prometheus import MISSING, WHY_MISSING, running_prometheus
+
+    if MISSING:
+        pytest.skip(WHY_MISSING)
+    with running_prometheus(tmp_path_factory.mktemp("prometheus")) as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     from serve_app.models import write_model

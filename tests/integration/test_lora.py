@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -186,6 +187,37 @@ def test_greedy_output_equals_vllms_own_with_the_same_adapter(lora, reference):
         wait_until(lambda: all(swaps().get(k, 0) >= n for k, n in wanted.items()), 60, 0.5)
     except AssertionError:
         raise AssertionError(f"swaps exported: {swaps()}") from None
+
+
+def test_the_dashboards_adapter_swap_panels_draw_the_engines_swaps(lora, prometheus):
+    """The dashboard panels of series only a model serving adapters exports (the suite's stack
+    has none: test_dashboards_prometheus.py leaves them to this app), as Grafana queries them,
+    against a real Prometheus scraping this app: each draws this model's swaps, per adapter."""
+    from serve_app.observability.previews import (datasource_interval_s, finite_points,
+                                                  grafana_step, panel_queries, query_range,
+                                                  rate_interval)
+    from serve_app.observability.dashboards import DASHBOARDS
+
+    step = grafana_step(60, datasource_interval_s())
+    queries = [q for name in DASHBOARDS
+               for q in panel_queries(name, rate_interval(step, datasource_interval_s()))
+               if q.adapters_only]
+    assert queries, "no dashboard panel draws the adapter swaps"
+    # Three adapters through two slots: each request after the second loads one, evicting.
+    for name in ("a-tune", "b-tune", "shared", "a-tune"):
+        _text(_complete(lora, ASKER[name], name))
+
+    def drawn(expr: str) -> set[tuple[str, str]]:
+        end = time.time()
+        return {(s["metric"].get("adapter", ""), s["metric"].get("event", ""))
+                for s in query_range(prometheus, expr, end - 60, end, step)
+                if s["metric"].get("model") == MODEL and finite_points(s)}
+    for q in queries:
+        try:
+            wait_until(lambda: {("a-tune", "load"), ("shared", "load")} <= drawn(q.expr)
+                       and any(event == "evict" for _, event in drawn(q.expr)), 60, 1)
+        except AssertionError:
+            raise AssertionError(f"{q.panel}: {q.expr} drew {drawn(q.expr)}") from None
 
 
 def test_a_broken_adapter_is_a_503_naming_it_and_others_serve_on(lora):

@@ -1,0 +1,61 @@
+"""A real Prometheus (Debian's ``prometheus``) scraping the running stack through the committed
+scrape config, for the tests that check dashboards and alert rules against live series."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import yaml
+
+from serve_app.observability.dashboards import DASHBOARD_DIR
+
+from .ports import free_port
+
+# `make test` unpacks Debian's prometheus into the venv and names it in PROMETHEUS_BIN.
+PROMETHEUS = os.environ.get("PROMETHEUS_BIN") or shutil.which("prometheus")
+MISSING = PROMETHEUS is None or not os.access(PROMETHEUS, os.X_OK)
+WHY_MISSING = "no prometheus binary (`make prometheus` fetches Debian's)"
+
+
+@contextlib.contextmanager
+def running_prometheus(work: Path) -> Iterator[str]:
+    """A Prometheus server using the committed scrape config (only its intervals shortened to
+    1 s), its data under ``work``; yields its URL once ready."""
+    config = yaml.safe_load((DASHBOARD_DIR / "prometheus.yml").read_text())
+    config["global"].update({"scrape_interval": "1s", "evaluation_interval": "1s"})
+    for job in config["scrape_configs"]:
+        for sd in job.get("file_sd_configs", []):
+            sd["refresh_interval"] = "1s"
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    shutil.copy(DASHBOARD_DIR / "alerts.yml", work / "alerts.yml")  # rule_files is relative
+    port = free_port()
+    log = open(work / "prometheus.log", "w")
+    proc = subprocess.Popen(
+        [str(PROMETHEUS), f"--config.file={work / 'prometheus.yml'}",
+         f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (work / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.5)
+        else:
+            raise AssertionError("prometheus did not become ready in 60 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
