@@ -15,7 +15,8 @@
 #             than adapters, so placement matters; max_cpu_loras the same); the mix's lora
 #             workload at AFF_CONC (256), AFF_NUM (768) requests. Arms in POLICIES order
 #             ("power_of_two prefix_cache prefix_cache power_of_two"): power_of_two (Serve's
-#             choice, no adapter placement: the baseline) against prefix_cache (adapter placement
+#             choice with routing.adapter_replicas 0, no adapter placement: the baseline) against
+#             prefix_cache (adapter placement
 #             on, routing.adapter_replicas ADAPTER_REPLICAS, default 2). A policy change rolls the
 #             routers only: the engines keep the adapters they hold, so each arm starts with the
 #             bench's warm-up (AFF_CONC requests of the same mix) under its own policy, and draws
@@ -100,7 +101,9 @@ if arm not in ("base", "lora"):  # part affinity: the routing policy ARM on two 
         if os.environ.get("KV_BYTES"):  # both engines the same KV cache
             model["engine_kwargs"]["kv_cache_memory_bytes"] = int(os.environ["KV_BYTES"])
     routing = {"policy": arm}
-    if os.environ.get("ADAPTER_REPLICAS"):
+    if arm == "power_of_two":  # the baseline: adapters spread like any request
+        routing["adapter_replicas"] = 0
+    elif os.environ.get("ADAPTER_REPLICAS"):
         routing["adapter_replicas"] = int(os.environ["ADAPTER_REPLICAS"])
     model["routing"] = routing
     cfg.setdefault("router", {})["resources"] = {"head": 0.01}

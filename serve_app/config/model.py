@@ -127,8 +127,8 @@ class ModelSettings(_Strict):
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     routing: RoutingSettings = Field(
         default_factory=RoutingSettings, description="How the routers choose the engine "
-        "replica of each request: `policy` (prefix_affinity, the default | power_of_two) and "
-        "its knobs.")
+        "replica of each request: `policy` (power_of_two, the default | prefix_cache | "
+        "prefix_affinity), its knobs, and where LoRA adapters' requests go.")
     lora: LoraSettings | None = Field(
         None, description="LoRA in this model's engines (vLLM's enable_lora and its limits); "
         "needed by `adapters`. Changing it restarts the model's engines.")

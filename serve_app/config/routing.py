@@ -13,27 +13,33 @@ from serve_app.config.base import _Strict
 class RoutingSettings(_Strict):
     """Replica choice for one model's requests (docs/routing.md).
 
-    ``prefix_affinity`` (the default) sends requests that share a tenant and a prompt prefix to
-    the same replica, where vLLM's prefix cache holds that prefix, unless that replica would
-    hold more than ``load_factor`` times the mean load and more than ``imbalance_margin``
-    requests above the least-loaded; prompts shorter than one key block are spread by power of
-    two. ``prefix_cache`` sends a request to the replica holding the longest cached prefix of
-    its prompt (an index of what each replica served, the same on every router), weighed
-    against load within the same bound: it follows multi-turn conversations
-    (:mod:`serve_app.routing.prefix_cache`). ``power_of_two`` is Ray Serve's own choice for
-    every request: two random replicas, the one with fewer requests wins. The default is the one that measured best on one H200 with
-    two replicas (bench/RESULTS.md 31b): on shared prefixes TTFT p50 0.31x and output 1.28x of
-    power of two; on random prompts equal throughput; with one tenant at 70% no replica busier.
+    ``power_of_two`` (the default) is Ray Serve's own choice for every request that names no
+    LoRA adapter: two random replicas, the one with fewer requests wins. ``prefix_cache`` sends
+    a request to the replica holding the longest cached prefix of its prompt (an index of what
+    each replica served, the same on every router), weighed against load within a bound: it
+    follows multi-turn conversations (:mod:`serve_app.routing.prefix_cache`).
+    ``prefix_affinity`` sends requests that share a tenant and their leading prompt blocks to
+    one replica, within the same bound. Whatever the policy, a LoRA adapter's requests go to
+    the replicas that hold it (``adapter_replicas``).
+
+    The default follows the measurements (bench/RESULTS.md): on multi-turn chat, two replicas on
+    one H100, ``prefix_cache`` gave 0.94-1.05x power of two's output (0.99x over three calls;
+    TTFT p50 0.43-0.94x) and ``prefix_affinity`` 0.91-0.92x (H200), so neither is the default;
+    on single-shot prompts that share long prefixes ``prefix_affinity`` gave TTFT p50 0.31x and
+    1.28x output (31b): choose a prefix policy for such traffic.
     """
 
     policy: Literal["power_of_two", "prefix_affinity", "prefix_cache"] = Field(
-        "prefix_affinity", description="`prefix_affinity` (default): rendezvous hashing of "
-        "(tenant cache salt, leading prompt blocks) over the replicas, bounded by load; every "
-        "router replica computes the same choice with no shared state. `prefix_cache`: the "
-        "replica holding the longest cached prefix of the prompt (an index of the block "
-        "hashes each replica served, carried to every router on the engine feed), weighed "
-        "against load, within the same load bound; follows multi-turn conversations. "
-        "`power_of_two`: Serve's choice for every request, keys unused.")
+        "power_of_two", description="`power_of_two` (default): Serve's choice for every "
+        "request that names no adapter, keys unused; it costs a request nothing and measured "
+        "as well as the prefix policies on multi-turn chat and random prompts. "
+        "`prefix_cache`: the replica holding the longest cached prefix of the prompt (an "
+        "index of the block hashes each replica served, carried to every router on the "
+        "engine feed), weighed against load, within a load bound; follows conversations, "
+        "lower TTFT where prompts share long prefixes. `prefix_affinity`: rendezvous hashing "
+        "of (tenant cache salt, leading prompt blocks) over the replicas, within the same "
+        "bound; every router computes the same choice with no shared state; for single-shot "
+        "prompts that share a long leading prefix (system prompt, few-shot block).")
     block_tokens: int = Field(
         64, ge=1, description="prefix_affinity: tokens per key block. A prompt shorter than "
         "one block has no key and is spread by power of two (reason `cold`).")
@@ -70,14 +76,15 @@ class RoutingSettings(_Strict):
         "times its load above the least-loaded candidate's. Higher spreads by load sooner; 0 "
         "follows the longest prefix up to the load bound.")
     adapter_replicas: int = Field(
-        2, ge=1, description="prefix_affinity and prefix_cache: the most replicas one LoRA "
-        "adapter's requests go to (serve_app/routing/adapter_placement.py). An adapter's "
-        "requests go to a replica that reports it loaded while that one is within the load "
-        "bound; past it, a further replica takes them (and loads it) until this many hold it; "
-        "then they wait on the least-loaded of those. 2 (default): a hot adapter's overflow "
-        "still has a second replica, as the load bound spills any hot key, while on a larger "
-        "fleet it takes no more than two replicas' adapter slots (each swap costs a load). "
-        "A router knob, not an engine argument: changing it restarts no engine.")
+        2, ge=0, description="Every policy: the most replicas one LoRA adapter's requests go "
+        "to (serve_app/routing/adapter_placement.py). An adapter's requests go to a replica "
+        "that reports it loaded while that one is within the load bound (load_factor, "
+        "imbalance_margin); past it, a further replica takes them (and loads it) until this "
+        "many hold it; then they wait on the least-loaded of those. 2 (default): a hot "
+        "adapter's overflow still has a second replica, while on a larger fleet it takes no "
+        "more than two replicas' adapter slots (each swap costs a load). 0: no placement, an "
+        "adapter's requests are routed like the base model's by the policy. A router knob, "
+        "not an engine argument: changing it restarts no engine.")
 
     def router_kwargs(self, model: str) -> dict[str, Any]:
         """The request router's ``initialize_state`` arguments (Serve's

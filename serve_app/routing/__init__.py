@@ -32,10 +32,10 @@ def build_policy(name: str, model: str = "", **knobs: Any) -> RoutingPolicy:
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; use one of: {', '.join(POLICIES)}")
     k = RoutingSettings(policy=name, **knobs)  # type: ignore[arg-type]  # checked above
-    if name == PowerOfTwo.name:
-        return PowerOfTwo()
     inner: RoutingPolicy
-    if name == PrefixAffinity.name:
+    if name == PowerOfTwo.name:
+        inner = PowerOfTwo()
+    elif name == PrefixAffinity.name:
         inner = PrefixAffinity(PrefixKeyer(block_tokens=k.block_tokens,
                                            prefix_blocks=k.prefix_blocks,
                                            chars_per_token=k.chars_per_token),
@@ -46,10 +46,11 @@ def build_policy(name: str, model: str = "", **knobs: Any) -> RoutingPolicy:
                                         max_blocks=k.max_blocks),
                             lambda: index_for(model), imbalance_margin=k.imbalance_margin,
                             load_factor=k.load_factor, request_cost_tokens=k.request_cost_tokens)
-    # A LoRA adapter's requests follow where the replicas report it loaded (both prefix
-    # policies; power_of_two spreads everything).
+    if k.adapter_replicas == 0:  # adapters routed like the base model's requests
+        return inner
+    # A LoRA adapter's requests follow where the replicas report it loaded, whatever routes
+    # the base model's requests.
     return AdapterPlacement(inner, lambda: index_for(model), adapter_replicas=k.adapter_replicas,
                             imbalance_margin=k.imbalance_margin, load_factor=k.load_factor)
-
 
 __all__ = ["POLICIES", "build_policy"]

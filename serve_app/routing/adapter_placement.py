@@ -1,6 +1,6 @@
 """Adapter placement: a LoRA adapter's requests go to the replicas that report it loaded, on
-at most ``adapter_replicas`` of them; wraps a prefix policy (``prefix_affinity``,
-``prefix_cache``), which still routes every request that names no adapter.
+at most ``adapter_replicas`` of them; wraps the model's policy (any of them), which still
+routes every request that names no adapter.
 
 Each replica reports the adapters its engine holds (:attr:`EngineLoad.adapters`, its LRU of
 ``max_cpu_loras`` names) on the engine feed, which every router reads into the model's
@@ -27,10 +27,11 @@ choose alike. For a request naming adapter A, among the candidates:
 A replica's load is the higher of the engine feed's figure (:meth:`PrefixIndex.load`: the same
 on every router, fresh within a poll; it counts this router's sends since the poll only where
 the wrapped policy tells the index, as ``prefix_cache`` does) and Serve's queue length of the
-candidate (this router's own, counting its latest sends; given where the wrapped policy reads
-it, as ``prefix_affinity`` does): within a burst between two polls, the feed alone would send
-every request to the adapter's first replica. Unknown counts as within the bound. The wrapped policy's key is still computed for an adapter's request
-(``prefix_cache`` writes its hashes into the request for the serving replica's record).
+candidate (this router's own, counting its latest sends; the router fetches it for every
+adapter request): within a burst between two polls, the feed alone would send every request
+to the adapter's first replica. Unknown counts as within the bound. The wrapped policy's key
+is still computed for an adapter's request (``prefix_cache`` writes its hashes into the
+request for the serving replica's record).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class AdapterKey:
 
 class AdapterPlacement:
     """``inner`` for requests without an adapter; adapter placement (module docstring) for
-    those with one. Same name as ``inner`` (the config names the prefix policy)."""
+    those with one. Same name as ``inner`` (the config names the policy)."""
 
     def __init__(self, inner: RoutingPolicy, index: Callable[[], PrefixIndex], *,
                  adapter_replicas: int = 2, imbalance_margin: int = 4,
@@ -79,8 +80,10 @@ class AdapterPlacement:
             return AdapterKey(request.adapter[0], adapter_key(request.adapter[0]))
         return inner
 
-    def needs_load(self) -> bool:
-        return self.inner.needs_load()
+    def needs_load(self, key: object) -> bool:
+        # An adapter's placement reads Serve's queue lengths, which count this router's latest
+        # sends whatever the wrapped policy (power_of_two tells the index nothing).
+        return isinstance(key, AdapterKey) or self.inner.needs_load(key)
 
     def routed(self, replica_id: str) -> None:
         self.inner.routed(replica_id)

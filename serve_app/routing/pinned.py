@@ -115,7 +115,7 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         policy = self._policy()
         key = policy.key(routed_request(pending_request))
         loads: dict[str, int | None] = {}
-        if key is not None and policy.needs_load():
+        if key is not None and policy.needs_load(key):
             loads = await self._loads(candidate_replicas)
         choice = policy.choose(key, [Candidate(r.replica_id.unique_id,
                                                loads.get(r.replica_id.unique_id))

@@ -67,9 +67,10 @@ class RoutingPolicy(Protocol):
         A policy may write what it derived into the request for the serving replica (the
         ``prefix_cache`` policy's block hashes) and reuse it on a later attempt."""
 
-    def needs_load(self) -> bool:
-        """Whether :meth:`choose` reads candidates' loads (the router then fetches those it
-        does not know before asking)."""
+    def needs_load(self, key: object) -> bool:
+        """Whether :meth:`choose` reads candidates' loads for ``key`` (never None: a request
+        without a key is not asked about); the router then fetches those it does not know
+        before asking."""
 
     def choose(self, key: object | None, candidates: list[Candidate]) -> Choice:
         """Where the request with ``key`` goes among ``candidates`` (never empty)."""

@@ -84,7 +84,7 @@ class PrefixAffinity:
     def key(self, request: GenerationRequest | None) -> bytes | None:
         return self.keyer.key(request)
 
-    def needs_load(self) -> bool:
+    def needs_load(self, key: object) -> bool:
         return True
 
     def routed(self, replica_id: str) -> None:

@@ -91,7 +91,7 @@ class PrefixCache:
             return PromptBlocks(hashes[1:], hashes[0])
         return PromptBlocks(hashes, None)
 
-    def needs_load(self) -> bool:
+    def needs_load(self, key: object) -> bool:
         return False  # the engine feed's loads (module docstring), not Serve's probes
 
     def routed(self, replica_id: str) -> None:

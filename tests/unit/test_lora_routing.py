@@ -185,3 +185,28 @@ def test_a_burst_grows_an_adapter_onto_k_replicas_before_the_feed_reports_the_se
     # This router's own sends put home and the growing second past the bound.
     choice = policy.choose(key, [Candidate(r, 9 if r in (home, grown) else 0) for r in REPLICAS])
     assert choice.ranked[0] in (home, grown), choice  # the least loaded of the two, not a third
+
+
+def test_under_power_of_two_an_adapters_requests_are_still_placed():
+    """The default policy spreads the base model's requests by Serve's choice (no key, so the
+    router fetches no load for them) while an adapter's go where the replicas hold it, read
+    against Serve's queue lengths (the router fetches them for an adapter's key)."""
+    from serve_app.routing import build_policy
+    from serve_app.routing.power_of_two import PowerOfTwo
+
+    index = PrefixIndex()
+    policy = AdapterPlacement(PowerOfTwo(), lambda: index)
+    home = REPLICAS[3]
+    _view(index, {}, {home: ("tune",)})
+    key = policy.key(_request("t", "a long prompt of many blocks", "tune"))
+    assert policy.needs_load(key)
+    placed = policy.choose(key, [Candidate(r, 0) for r in REPLICAS])
+    assert (placed.reason, placed.ranked[0]) == ("affinity", home)
+    busy = policy.choose(key, [Candidate(r, 9 if r == home else 0) for r in REPLICAS])
+    assert busy.reason == "load_fallback" and busy.ranked[0] != home
+    base = policy.key(_request("t", "a long prompt of many blocks"))
+    assert base is None  # no key: no load fetched, Serve's power of two spreads it
+    assert policy.choose(base, [Candidate(r, None) for r in REPLICAS]).ranked == ()
+    # The registry wraps the default this way; adapter_replicas 0 leaves it bare.
+    assert isinstance(build_policy("power_of_two"), AdapterPlacement)
+    assert isinstance(build_policy("power_of_two", adapter_replicas=0), PowerOfTwo)
