@@ -53,4 +53,5 @@ def build_policy(name: str, model: str = "", **knobs: Any) -> RoutingPolicy:
     return AdapterPlacement(inner, lambda: index_for(model), adapter_replicas=k.adapter_replicas,
                             imbalance_margin=k.imbalance_margin, load_factor=k.load_factor)
 
+
 __all__ = ["POLICIES", "build_policy"]
