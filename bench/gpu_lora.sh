@@ -16,8 +16,8 @@
 #             workload at AFF_CONC (256), AFF_NUM (768) requests. Arms in POLICIES order
 #             ("power_of_two prefix_cache prefix_cache power_of_two"): power_of_two (Serve's
 #             choice with routing.adapter_replicas 0, no adapter placement: the baseline) against
-#             prefix_cache (adapter placement
-#             on, routing.adapter_replicas ADAPTER_REPLICAS, default 2). A policy change rolls the
+#             prefix_cache (adapter placement on, routing.adapter_replicas ADAPTER_REPLICAS,
+#             default 2). A policy change rolls the
 #             routers only: the engines keep the adapters they hold, so each arm starts with the
 #             bench's warm-up (AFF_CONC requests of the same mix) under its own policy, and draws
 #             its prompts with its own seed (no arm finds another's prompts cached). Per arm:

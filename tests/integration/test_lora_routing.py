@@ -7,9 +7,9 @@ first again.
 Three replicas of the scripted engine (vLLM's batch and the adapters' LRU, no model: an adapter
 loads at once and each replica reports what it holds, as the vLLM engine does), the suite's
 router configuration and tenants, one adapter open to every tenant, the default routing policy
-(`power_of_two`: placement wraps it, and nothing else keys an adapter's requests). Which replica served what
-is read from the router's own view (``admission_state``: each replica's ``requests_total`` and
-``adapters``, as the engine feed reports them), waited on, never timed.
+(`power_of_two`: placement wraps it, and nothing else keys an adapter's requests). Which replica
+served what is read from the router's own view (``admission_state``: each replica's
+``requests_total`` and ``adapters``, as the engine feed reports them), waited on, never timed.
 """
 
 from __future__ import annotations
