@@ -31,9 +31,21 @@ PY
 }
 
 wait_ready() {  # url pid timeout [api-key]: the arm's own server answers (and is still alive)
+  # and its engines are up: the stack's /ready is 200 (its /v1/models answers while an engine
+  # still loads, and a whole arm once measured a loading stack, RESULTS 42c); bare vLLM has
+  # no /ready (404) and answers /v1/models only once loaded.
   local t=0
-  until ${PY:-python3} -c "import sys, urllib.request as u; h = {'Authorization': 'Bearer ' + sys.argv[2]} if sys.argv[2] else {}; u.urlopen(u.Request(sys.argv[1] + '/v1/models', headers=h), timeout=3)" \
-      "$1" "${4:-}" 2>/dev/null; do
+  until ${PY:-python3} - "$1" "${4:-}" 2>/dev/null <<'PY'
+import sys, urllib.error, urllib.request as u
+base, key = sys.argv[1], sys.argv[2]
+u.urlopen(u.Request(base + "/v1/models", headers={"Authorization": "Bearer " + key} if key else {}),
+          timeout=3)
+try:
+    u.urlopen(base + "/ready", timeout=3)
+except urllib.error.HTTPError as e:
+    sys.exit(0 if e.code == 404 else 1)
+PY
+  do
     sleep 2; t=$((t + 2))
     if ! kill -0 "$2" 2>/dev/null || [ $t -ge "$3" ]; then echo "not ready after ${t}s"; return 1; fi
   done

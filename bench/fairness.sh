@@ -28,7 +28,7 @@ cfg["tenants"] = [{"name": "heavy", "api_key_sha256": [key_digest(heavy)]},
                   {"name": "light", "api_key_sha256": [key_digest(light)]}]
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
-  CONFIG="$OUT/config-$policy.yaml" STACK_LOG="$OUT/stack-$policy.log" PYTHON="$PY" READY_KEY="$LIGHT" \
+  CONFIG="$OUT/config-$policy.yaml" STACK_LOG="$OUT/stack-$policy.log" PYTHON="$PY" \
     bash bench/with_local_stack.sh "$PY" -m serve_app.cli bench --base-url http://127.0.0.1:8000 \
     --model tiny-llama --input-len "$IN" --output-len "$OUTLEN" --concurrency "$CONC" \
     --num-requests "$N" --warmup "$CONC" --tenant "heavy:$HEAVY:8" --tenant "light:$LIGHT:1" \

@@ -36,7 +36,8 @@ def start_stack(config: AppConfig, address: str | None = None,
                 engine_class: str | None = None, **ray_init: Any) -> str:
     """Start Ray (or join ``address``), Serve and the app for ``config``; return its base URL.
 
-    Returns once Serve accepted the app (engines may still be loading: poll /v1/models).
+    Returns once Serve runs the app: ``serve.run`` waits for every deployment's replicas, so the
+    models kept warm have loaded (a client elsewhere waits with :func:`wait_until_serving`).
     ``ray_init`` adds ``ray.init`` arguments (tests: ``num_cpus``). Starting a local Ray
     raises :class:`PortInUseError` before Ray starts when a port of the stack is taken."""
     import ray
@@ -83,24 +84,26 @@ def start_stack(config: AppConfig, address: str | None = None,
     return base_url(config)
 
 
-def wait_until_serving(base: str, timeout_s: float = 300.0, interval_s: float = 1.0,
-                       headers: dict[str, str] | None = None) -> None:
-    """Return once ``base`` answers ``GET /v1/models`` with 200 (its engines are loaded);
-    TimeoutError after ``timeout_s``."""
+def is_ready(base: str) -> bool:
+    """Whether ``base`` answers ``GET /ready`` with 200: every model kept warm has a live engine
+    replica (:mod:`serve_app.ingress.readiness`; ``/v1/models`` answers before the engines
+    load). False while it answers 503 or nothing."""
     import urllib.error
     import urllib.request
 
+    try:
+        with urllib.request.urlopen(base + "/ready", timeout=3) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):  # HTTPError (503: loading) is a URLError
+        return False
+
+
+def wait_until_serving(base: str, timeout_s: float = 300.0, interval_s: float = 1.0) -> None:
+    """Return once :func:`is_ready`; TimeoutError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            request = urllib.request.Request(base + "/v1/models", headers=headers or {})
-            with urllib.request.urlopen(request, timeout=3) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+    while not is_ready(base):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{base} did not serve /v1/models within {timeout_s:g} s")
+            raise TimeoutError(f"{base} was not ready within {timeout_s:g} s")
         time.sleep(interval_s)
 
 

@@ -18,7 +18,11 @@ from the model's ``engine_kwargs``:
   (numbered from 0, the engine's first step; a step runs only while there is work);
 * ``scripted_clock_scale`` (default 1): the engine's clock runs this many times faster than
   real time. Step times and the stall watch read that clock, so a 90 s step at scale 5 passes
-  in 18 s of real time and the stall watch sees 90 s.
+  in 18 s of real time and the stall watch sees 90 s;
+* ``scripted_start_file`` (default none): a path; the engine's start (and so the replica's
+  constructor) waits until that file exists, the way a real engine's replica stays in its
+  constructor while the model loads. A test holds a replica "loading" for exactly as long as
+  it needs, with no sleep.
 
 The model's ``engine_stall_timeout_s`` runs the real :class:`serve_app.engine.stall.StallWatch`
 on the engine's clock, as the vLLM adapter runs it: its ``check_health`` fails when the watch
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -105,6 +110,7 @@ class ScriptedEngine:
         self.step_s_at = {int(k): float(v)
                           for k, v in (kwargs.get("scripted_step_s_at") or {}).items()}
         self.clock_scale = float(kwargs.get("scripted_clock_scale") or 1.0)
+        self.start_file = kwargs.get("scripted_start_file")
         self.steps = 0
         self.watch = StallWatch(settings.engine_stall_timeout_s)
         lora = settings.lora  # the vLLM adapter's capacity (serve_app/engine/vllm_adapter.py)
@@ -127,6 +133,8 @@ class ScriptedEngine:
         self.clock: Callable[[], float] = lambda: origin + (time.monotonic() - origin) * scale
 
     async def start(self) -> None:
+        while self.start_file and not os.path.exists(self.start_file):
+            await asyncio.sleep(0.05)  # "loading the model"
         self._loop = asyncio.create_task(self._run())
 
     @property

@@ -136,7 +136,7 @@ class RequestPipeline:
         """Serve one generation request through every step; a non-streaming request finishes
         here, a stream when its response ends."""
         progress = Progress(time.monotonic())
-        self._start_feeds()
+        self.start_feeds()
         rt = tracing.start_request(http_request.headers)  # tracing.NO_TRACE while off
         tenant = await rt.authenticate(
             self.tenants.authenticate(http_request.headers.get("authorization")))
@@ -171,10 +171,10 @@ class RequestPipeline:
             if not streaming:
                 self._finish(tenant, label, status, builder, slot, charge, progress, rt)
 
-    def _start_feeds(self) -> None:
-        """On the first request: publish the queue gauges and start the engine feeds. Gauges
-        set in the replica's constructor never reach Prometheus (measured: the series stayed
-        absent), and the feeds need the replica's event loop."""
+    def start_feeds(self) -> None:
+        """On the first request (or ``/ready``; idempotent): publish the queue gauges and start
+        the engine feeds. Gauges set in the replica's constructor never reach Prometheus
+        (measured: the series stayed absent), and the feeds need the replica's event loop."""
         if self._started:
             return
         self._started = True

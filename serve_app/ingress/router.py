@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -32,6 +32,7 @@ from serve_app.ingress.model_cards import ModelCards
 from serve_app.ingress.openapi import install as install_openapi
 from serve_app.ingress.openapi import request_body
 from serve_app.ingress.pipeline import RequestPipeline
+from serve_app.ingress.readiness import readiness
 from serve_app.ingress.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.governance.tenants import TenantGate
 from serve_app.governance.usage import UsageLog
@@ -90,6 +91,8 @@ class OpenAIRouter:
             for m in config_.models}
         # Cards from the config and the feeds' view: listing models never wakes one at zero.
         self.cards = ModelCards(feeds, {m.name: m.max_model_len for m in config_.models})
+        self.feeds = feeds
+        self.kept_replicas = {m.name: m.autoscaling.min_replicas for m in config_.models}
         # Streams' chunks after the first come batched per replica (serve_app/engine/channel.py).
         channels = ({m.name: ModelChannels(m.name, servers[m.name], router_id)
                      for m in config_.models} if settings.output_channels else {})
@@ -105,6 +108,14 @@ class OpenAIRouter:
     @app.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self) -> Response:
+        """200 once every model kept warm has a live engine replica, 503 while one loads
+        (:mod:`serve_app.ingress.readiness`)."""
+        self.pipeline.start_feeds()  # a router that served no request has not polled yet
+        ok, body = readiness(self.feeds, self.kept_replicas)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from serve_app.engine.protocol import EngineLoad
+from serve_app.launch import wait_until_serving
 
 from .ports import free_port, free_ports
 
@@ -120,18 +121,9 @@ def stack(tiny_model_path, tmp_path_factory):
     cfg = cfg.model_copy(update={"router": router, "tenants": tenants, "models": [model],
                                  "governance": governance})
     base, cfg = _start_on_free_ports(cfg, start_stack)
-    deadline = time.time() + 600  # a loaded 2-core machine starts the engine slowly
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200 and httpx.get(
-                    f"{base}/v1/models", timeout=5,
-                    headers={"Authorization": f"Bearer {keys[DEFAULT_TENANT]}"}
-            ).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
+    try:  # a loaded 2-core machine starts the engine slowly
+        wait_until_serving(base, timeout_s=600, interval_s=0.5)
+    except TimeoutError:
         pytest.fail("the app did not become ready in 600 s")
     server = serve.get_deployment_handle(llm_server_name(MODEL), app_name=APP_NAME)
     router_handle = serve.get_deployment_handle("Router", app_name=APP_NAME)
@@ -239,16 +231,14 @@ def sampled(read, every_s: float = 0.02):
         thread.join()
 
 
-def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
-                       step_s: float, max_ongoing_requests: int = 256,
-                       batch_reserve: int = 0) -> str:
-    """Deploy the suite's router configuration and tenants in front of one scripted-engine
-    replica (``batch`` places, a step every ``step_s``, Serve's ``max_ongoing_requests``) as
-    ``app`` beside the shared stack, wait until it lists its model, and return its base URL.
-    ``batch_reserve``: the routers' ``admission.batch_reserve`` (the suite's stack keeps 0).
-    The caller deletes it (serve.delete)."""
-    from ray import serve
-
+def scripted_app(stack, model: str, batch: int, step_s: float, max_ongoing_requests: int = 256,
+                 batch_reserve: int = 0, start_file: str | None = None):
+    """The suite's router configuration and tenants in front of one scripted-engine replica
+    (``batch`` places, a step every ``step_s``, Serve's ``max_ongoing_requests``), as a Serve
+    application to run beside the shared stack. ``batch_reserve``: the routers'
+    ``admission.batch_reserve`` (the suite's stack keeps 0). ``start_file``: the engine stays
+    in its start until that file exists (its ``scripted_start_file``): ``serve.run`` of it
+    returns only then."""
     from serve_app.app import build_app
     from serve_app.config import ModelSettings
     from serve_app.engine.scripted import SCRIPTED_ENGINE_CLASS
@@ -256,15 +246,26 @@ def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
     settings = ModelSettings(name=model, path=str(stack["path"]), device="cpu",
                              max_model_len=2048, max_ongoing_requests=max_ongoing_requests,
                              engine_kwargs={
-                                 "max_num_seqs": batch, "scripted_step_s": step_s})
+                                 "max_num_seqs": batch, "scripted_step_s": step_s,
+                                 "scripted_start_file": start_file})
     cfg = stack["config"]
     router = cfg.router.model_copy(update={"admission": cfg.router.admission.model_copy(
         update={"batch_reserve": batch_reserve})})
-    serve.run(build_app(cfg.model_copy(update={"models": [settings], "router": router}),
-                        SCRIPTED_ENGINE_CLASS),
+    return build_app(cfg.model_copy(update={"models": [settings], "router": router}),
+                     SCRIPTED_ENGINE_CLASS)
+
+
+def start_scripted_app(stack, app: str, prefix: str, model: str, batch: int,
+                       step_s: float, max_ongoing_requests: int = 256,
+                       batch_reserve: int = 0) -> str:
+    """Run :func:`scripted_app` as ``app`` beside the shared stack, wait until it is ready, and
+    return its base URL. The caller deletes it (serve.delete)."""
+    from ray import serve
+
+    serve.run(scripted_app(stack, model, batch, step_s, max_ongoing_requests, batch_reserve),
               name=app, route_prefix=prefix, blocking=False)
     base = stack["base"] + prefix
-    wait_until_listed(base, stack["headers"])
+    wait_until_serving(base, timeout_s=120, interval_s=0.2)
     return base
 
 
@@ -291,16 +292,3 @@ def exported(metric: str) -> list[tuple[dict[str, str], float]]:
                 labels, value = line.rsplit(" ", 1)
                 out.append((dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
     return out
-
-
-def wait_until_listed(base: str, headers: dict, timeout_s: float = 120) -> None:
-    """Wait until the app at ``base`` answers its model list (its router and model are up)."""
-    import httpx
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{base}/v1/models", headers=headers, timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, timeout_s, 0.2)

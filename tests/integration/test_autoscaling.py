@@ -99,7 +99,9 @@ def _running(states: dict[str, int]) -> int:
 def test_listing_models_leaves_a_model_at_zero_regression(scaled):
     """GET /v1/models asked every model's engine for its card: at zero replicas the call
     queued in Serve's handle, Serve counted it as demand, and a client listing models kept the
-    model warm. The card comes from the config (and the last answer of a live engine)."""
+    model warm. The card comes from the config (and the last answer of a live engine). Asking
+    /ready does not wake it either, and a model allowed to sit at zero is ready there (its
+    requests wake it)."""
     assert _running(scaled["replicas"]()) == 0
     stop, log = threading.Event(), []
     watcher = threading.Thread(target=_watch, args=(scaled["replicas"], stop, log))
@@ -111,6 +113,9 @@ def test_listing_models_leaves_a_model_at_zero_regression(scaled):
             assert r.status_code == 200, r.text
             cards = r.json()["data"]
             assert [c["id"] for c in cards] == [MODEL] and "max_model_len" in cards[0], cards
+            r = httpx.get(f"{scaled['base']}/ready", timeout=10)
+            assert (r.status_code, r.json()) == (
+                200, {"status": "ready", "models": 1, "models_loading": 0}), r.text
             time.sleep(0.5)
     finally:
         stop.set()

@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serve_app.launch import wait_until_serving
 from serve_app.observability.metrics import ROUTER_METRICS
 
-from .conftest import exported, wait_until, wait_until_listed
+from .conftest import exported, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,7 @@ def lora(stack, tmp_path_factory):
     serve.run(build_app(cfg), name=APP, route_prefix=PREFIX, blocking=False)
     base = stack["base"] + PREFIX
     try:
-        wait_until_listed(base, stack["headers"], timeout_s=300)
+        wait_until_serving(base, timeout_s=300, interval_s=0.2)
         yield {"base": base, "config": cfg, "folders": folders, "late": late,
                "keys": stack["keys"], "reference": reference}
     finally:

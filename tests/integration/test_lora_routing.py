@@ -19,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .conftest import wait_until, wait_until_listed
+from serve_app.launch import wait_until_serving
+
+from .conftest import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]  # 50 s: the long tier
 
@@ -51,7 +53,7 @@ def app(stack):
     serve.run(build_app(stack["config"].model_copy(update={"models": [model]}),
                         SCRIPTED_ENGINE_CLASS), name=APP, route_prefix=PREFIX, blocking=False)
     base = stack["base"] + PREFIX
-    wait_until_listed(base, stack["headers"])
+    wait_until_serving(base, timeout_s=120, interval_s=0.2)
     router = serve.get_deployment_handle("Router", app_name=APP)
 
     def replicas() -> dict[str, dict]:

@@ -12,7 +12,9 @@ import os
 import httpx
 import pytest
 
-from .conftest import DEFAULT_TENANT, wait_until, wait_until_listed
+from serve_app.launch import wait_until_serving
+
+from .conftest import DEFAULT_TENANT, wait_until
 from .otlp_receiver import Receiver
 
 APP, PREFIX, MODEL = "tracing", "/tracing", "traced-model"
@@ -48,7 +50,7 @@ def traced(stack):
     serve.run(build_app(tracing.with_replica_env(cfg, env={}), SCRIPTED_ENGINE_CLASS),
               name=APP, route_prefix=PREFIX, blocking=False)
     base = stack["base"] + PREFIX
-    wait_until_listed(base, stack["headers"])
+    wait_until_serving(base, timeout_s=120, interval_s=0.2)
     try:
         yield receiver, base, key
     finally:

@@ -79,7 +79,7 @@ def test_first_deploy_to_a_cluster_listens_where_the_config_says(monkeypatch):
     assert launch.deploy(cfg).mode == "redeployed" and calls == [("run", "llm")]
 
 
-def test_wait_until_serving_returns_once_models_answer_and_times_out_otherwise():
+def test_wait_until_serving_returns_once_ready_answers_and_times_out_otherwise():
     import http.server
     import threading
 
@@ -89,7 +89,7 @@ def test_wait_until_serving_returns_once_models_answer_and_times_out_otherwise()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
-            self.send_response(next(answers, 200) if self.path == "/v1/models" else 404)
+            self.send_response(next(answers, 200) if self.path == "/ready" else 404)
             self.end_headers()
 
         def log_message(self, *args):
