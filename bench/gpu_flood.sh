@@ -11,7 +11,10 @@
 #   FLOOD_TENANTS=N (the flood split over N tenants), FLOOD_STREAM=1 (the flood streamed),
 #   ARM_BENCH="serve-app bench arguments" to also run the same benchmark against each arm's server
 #   after its flood (the stack's with the flood tenant's key): the throughput comparison of
-#   gpu_compare.sh without a second engine start per arm)
+#   gpu_compare.sh without a second engine start per arm,
+#   ENGINE="key=value ..." engine arguments set for both arms over the config's engine_kwargs,
+#   values read as YAML: e.g. ENGINE="async_scheduling=false max_num_batched_tokens=4096", the
+#   engine's levers on the quiet tenant's first token, RESULTS 42c)
 # On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_flood.sh ...` (frees the GPU
 # and ports an earlier command left, sets the bundle's environment); on your own GPU machine,
 # with the project installed, run it directly (`make bench-flood`).
@@ -22,6 +25,29 @@ PY=${PYTHON:-python3}
 DIR=${OUT:-bench/out}/flood
 mkdir -p "$DIR"
 FLOOD_C=${FLOOD_C:-768}
+if [ -n "${ENGINE:-}" ]; then  # both arms' engines get the same overrides (bare's flags follow)
+  $PY - "$CONFIG" $ENGINE > "$DIR/engine-config.yaml" <<'PY' || exit 1
+import sys
+from pathlib import Path
+
+import yaml
+
+from serve_app.config import load_config
+
+path, *pairs = sys.argv[1:]
+cfg = yaml.safe_load(Path(path).read_text())
+model = cfg["models"][0]
+model["path"] = load_config(path).models[0].path  # the copy lives elsewhere: no relative path
+for pair in pairs:
+    key, sep, value = pair.partition("=")
+    if not sep:
+        sys.exit(f"ENGINE wants key=value pairs, got {pair!r}")
+    model.setdefault("engine_kwargs", {})[key] = yaml.safe_load(value)
+print(yaml.safe_dump(cfg, sort_keys=False))
+PY
+  CONFIG="$DIR/engine-config.yaml"
+  echo "engine arguments over the config's: $ENGINE"
+fi
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
 ensure_model "$CONFIG"
 FLOOD_KEYS=()  # one per flooding tenant (FLOOD_TENANTS, 1 unless set)
