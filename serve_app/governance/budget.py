@@ -60,9 +60,14 @@ def window_of(period: str, now: float) -> tuple[str, float]:
     raise ValueError(f"unknown budget period {period!r}")
 
 
+# Retry-After of a request turned away because the rest of the budget is reserved in flight.
+RESERVED_RETRY_S = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetRefusal:
-    """A spent budget: the 429's message and when the window ends (UNIX seconds)."""
+    """A refused request: the 429's message and when to try again (UNIX seconds): the window's
+    end once the budget is spent, a second away while the rest is only reserved in flight."""
 
     message: str
     resets_at: float
@@ -151,8 +156,17 @@ class BudgetBook:
         budget = self._limits[tenant].token_budget
         assert budget is not None
         n = self.routers
-        if spend.own + spend.others + n * spend.held + (n - 1) * tokens < budget.tokens:
+        spent = spend.own + spend.others
+        if spent + n * spend.held + (n - 1) * tokens < budget.tokens:
             return None
+        if spent < budget.tokens:
+            # What is left is held by requests in flight: they give back what they do not use
+            # as they end, so this is a wait of seconds, not the window's hours.
+            return BudgetRefusal(
+                f"tenant {tenant} has {budget.tokens - spent} of its {budget.tokens} tokens per "
+                f"{budget.period} left, all reserved by its requests in flight (each holds its "
+                "prompt and max_tokens until it ends); retry when some finish",
+                self.clock() + RESERVED_RETRY_S)
         _, ends = window_of(budget.period, self.clock())
         when = datetime.fromtimestamp(ends, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         return BudgetRefusal(

@@ -184,6 +184,25 @@ def test_reservations_count_against_the_budget_until_released():
     assert book.reserve("no-budget", 70) == 0
 
 
+def test_a_budget_held_by_requests_in_flight_says_so_and_asks_for_a_short_retry():
+    """Spend below the budget, the rest reserved in flight: the refusal says "reserved" and
+    asks for a retry in a second (the reservations come back as requests end), not at the
+    window's end hours away as for a spent budget."""
+    clock = Clock(_ts(2026, 12, 3, 12))
+    book = BudgetBook([_tenant(tokens=200)], clock=clock)
+    book.charge("a", 50)
+    book.reserve("a", 150)
+    refusal = book.check("a", 10)
+    assert refusal is not None and refusal.retry_after_s(clock.t) == 1.0
+    assert "150 of its 200 tokens per day left" in refusal.message
+    assert "reserved by its requests in flight" in refusal.message
+    book.release("a", 150)
+    book.charge("a", 150)  # the request in flight used all it held: now spent
+    refusal = book.check("a", 10)
+    assert refusal is not None and refusal.retry_after_s(clock.t) == 12 * 3600
+    assert "has used its budget" in refusal.message
+
+
 def test_the_gate_answers_a_spent_budget_with_insufficient_quota():
     key = new_key()
     tenant = TenantSettings(name="a", api_key_sha256=[key_digest(key)],
