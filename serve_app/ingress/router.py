@@ -115,7 +115,10 @@ class OpenAIRouter:
         (:mod:`serve_app.ingress.readiness`)."""
         self.pipeline.start_feeds()  # a router that served no request has not polled yet
         ok, body = readiness(self.feeds, self.kept_replicas)
-        return JSONResponse(body, status_code=200 if ok else 503)
+        if ok:
+            return JSONResponse(body)
+        # "Not now": a poller (and the schema fuzzer) asks again in a second.
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:

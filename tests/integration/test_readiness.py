@@ -48,8 +48,8 @@ def test_ready_is_503_while_the_engine_loads_where_models_already_answers(stack,
         # ... and /ready says so, without a key, naming no model; once its feed has polled too.
         for _ in range(5):
             r = httpx.get(f"{base}/ready", timeout=5)
-            assert (r.status_code, r.json()) == (
-                503, {"status": "loading", "models": 1, "models_loading": 1}), r.text
+            assert (r.status_code, r.json(), r.headers.get("retry-after")) == (
+                503, {"status": "loading", "models": 1, "models_loading": 1}, "1"), r.text
         assert not is_ready(base) and deploy.is_alive()
         loaded.touch()  # the model has loaded: the replica's constructor returns
         wait_until_serving(base, timeout_s=120, interval_s=0.2)
