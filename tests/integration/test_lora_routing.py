@@ -65,10 +65,17 @@ def app(stack):
                           json={"model": model, "prompt": "hi",
                                 "max_tokens": max_tokens}).status_code
 
-    # The router's feed polls the replicas once the model has had work: one base request.
+    # One base request, and a view that counts it: the feed has polled since /ready started
+    # it, and a view from before the request made the test's "before" snapshot miss it
+    # (regression: 6 sequential requests read as 7, one on another replica).
     assert send(model=MODEL) == 200
+
+    def counted() -> bool:
+        view = replicas()
+        return len(view) == REPLICAS and sum(r["requests_total"] for r in view.values()) >= 1
+
     try:
-        wait_until(lambda: len(replicas()) == REPLICAS, 60, 0.1)
+        wait_until(counted, 60, 0.1)
     except AssertionError:  # say what Serve sees of the model's replicas
         raise AssertionError(f"{REPLICAS} replicas not in the router's view: {replicas()}; "
                              f"{serve.status().applications[APP]}") from None
