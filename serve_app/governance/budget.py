@@ -159,9 +159,11 @@ class BudgetBook:
         spent = spend.own + spend.others
         if spent + n * spend.held + (n - 1) * tokens < budget.tokens:
             return None
-        if spent < budget.tokens:
+        if spent < budget.tokens and spend.held:
             # What is left is held by requests in flight: they give back what they do not use
-            # as they end, so this is a wait of seconds, not the window's hours.
+            # as they end, so this is a wait of seconds, not the window's hours. (With nothing
+            # held, what is left is too little for this request's share over the routers: that
+            # waits for the window, or a new tenant list.)
             return BudgetRefusal(
                 f"tenant {tenant} has {budget.tokens - spent} of its {budget.tokens} tokens per "
                 f"{budget.period} left, all reserved by its requests in flight (each holds its "

@@ -203,6 +203,18 @@ def test_a_budget_held_by_requests_in_flight_says_so_and_asks_for_a_short_retry(
     assert "has used its budget" in refusal.message
 
 
+def test_nothing_in_flight_is_never_reported_as_reserved_regression_retry_every_second_forever():
+    """Two routers, 100 of 2,000 tokens left and nothing held: a request reserving 200 is
+    refused by its share over the routers. Called "reserved in flight" with Retry-After 1 s,
+    a client would have asked every second until the window ended; it waits for the window."""
+    clock = Clock(_ts(2026, 12, 3, 12))
+    book = BudgetBook([_tenant(tokens=2000)], clock=clock, routers=2)
+    book.charge("a", 1900)
+    refusal = book.check("a", 200)
+    assert refusal is not None and refusal.retry_after_s(clock.t) == 12 * 3600
+    assert "reserved" not in refusal.message
+
+
 def test_the_gate_answers_a_spent_budget_with_insufficient_quota():
     key = new_key()
     tenant = TenantSettings(name="a", api_key_sha256=[key_digest(key)],
