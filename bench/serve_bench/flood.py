@@ -61,12 +61,21 @@ async def _flood_worker(session: aiohttp.ClientSession, url: str, model: str, ke
             body.update(stream=True, stream_options={"include_usage": True})
         async with session.post(url, json=body, headers=headers) as r:
             if r.status == 200 and stream:
-                usage = None
+                usage, failed = None, False
                 async for line in r.content:
-                    if line.startswith(b"data: {") and b'"usage"' in line:
-                        usage = json.loads(line[6:]).get("usage") or usage
+                    if line.startswith(b"data: {") and (b'"usage"' in line or b'"error"' in line):
+                        event = json.loads(line[6:])
+                        usage = event.get("usage") or usage
+                        failed = failed or "error" in event
+                if failed or usage is None:
+                    # A stream that failed after its 200 (an error event; bare vLLM answers an
+                    # invalid prompt so) or ended without its usage chunk finished nothing: an
+                    # error, never a completion of 0 tokens.
+                    what = "stream error event" if failed else "stream without usage"
+                    acc["errors"][what] = acc["errors"].get(what, 0) + 1
+                    return
                 acc["ok"] += 1
-                acc["tokens"] += (usage or {}).get("completion_tokens", 0)
+                acc["tokens"] += usage.get("completion_tokens", 0)
                 return
             data = await r.json(content_type=None)
             if r.status == 200:
@@ -114,6 +123,12 @@ async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, ke
                 phases.update(parse_server_timing(r.headers.get("server-timing")))
                 async for line in r.content:
                     if line.startswith(b"data: {"):
+                        if b'"error"' in line and "error" in json.loads(line[6:]):
+                            # failed after its 200: no first token, whatever came before
+                            errors["stream error event"] = errors.get("stream error event",
+                                                                      0) + 1
+                            first.clear()
+                            return
                         chunks.append(time.monotonic())
                         if not first:
                             first.append(chunks[0] - t0)

@@ -29,6 +29,12 @@ async def _serve() -> tuple[web.AppRunner, str]:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Server-Timing": "queue;dur=1.5, dispatch;dur=4"})
         await resp.prepare(request)
+        if request.headers.get("Authorization") == "Bearer failing":
+            # bare vLLM's answer to a prompt it refuses once streaming: 200, then an error event
+            error = {"error": {"message": "bad prompt", "type": "BadRequestError", "code": 400}}
+            await resp.write(f"data: {json.dumps(error)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
         for _ in range(2):
             await resp.write(f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n".encode())
             await asyncio.sleep(0.005)
@@ -89,3 +95,39 @@ def test_a_streamed_flood_from_several_tenants():
     assert done > 0 and result["flood"]["output_tok_s"] == round(3 * done / 1.5, 1)
     assert {"Bearer k1", "Bearer k2", "Bearer k3"} <= KEYS
     assert "flood_key" not in result["config"]  # keys stay out of the results
+
+
+def test_a_stream_that_fails_after_its_200_is_an_error_regression_counted_as_completed():
+    """A flood stream whose server answered 200 and then an error event (bare vLLM with token ids
+    outside the vocabulary) was counted as a completed request of 0 tokens: a CPU dry run of
+    bench/gpu_flood.sh read 14,247 completions and 0 errors where nothing was served."""
+    async def scenario(key: str) -> dict:
+        runner, url = await _serve()
+        try:
+            args = _args(url, quiet_process=False)
+            args.flood_key, args.flood_stream = [key], True
+            return await flood.run(args)
+        finally:
+            await runner.cleanup()
+
+    failing = asyncio.run(scenario("failing"))["flood"]
+    assert failing["completed"] == 0 and failing["output_tok_s"] == 0
+    assert failing["errors"].get("stream error event", 0) > 0, failing
+    served = asyncio.run(scenario("k1"))["flood"]
+    assert served["completed"] > 0 and served["errors"] == {}, served
+
+
+def test_a_quiet_stream_that_fails_after_its_200_has_no_first_token():
+    """The quiet tenant's stream that answered 200 and then an error event took the error's
+    arrival for its first token."""
+    async def scenario() -> dict:
+        runner, url = await _serve()
+        try:
+            args = _args(url, quiet_process=False)
+            args.quiet_key = "failing"
+            return await flood.run(args)
+        finally:
+            await runner.cleanup()
+
+    quiet = asyncio.run(scenario())["quiet_under_flood_ttft_ms"]
+    assert quiet["n"] == 0 and quiet["errors"].get("stream error event", 0) > 0, quiet
