@@ -6,7 +6,9 @@ Generation lengths are capped before sending: the point is input handling, not l
 
 from __future__ import annotations
 
+import json
 import time
+import warnings
 from typing import Mapping
 
 import httpx
@@ -71,6 +73,9 @@ def test_fuzzed_requests_never_get_a_server_error(case, stack):
         time.sleep(retry_after)
         response = case.call(headers=stack["headers"], timeout=60)
     assert response.status_code < 500, (response.status_code, response.content[:300], answers)
+    if answers:  # passed on a retry: still say so in the suite's summary (cause not yet found)
+        warnings.warn(f"{case.method} {case.path} got a transient 503 {answers} before "
+                      f"{response.status_code}; body {json.dumps(case.body, default=str)[:300]}")
     case.validate_response(response, checks=[not_a_server_error])
 
 
