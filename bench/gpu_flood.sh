@@ -14,11 +14,16 @@
 #   gpu_compare.sh without a second engine start per arm,
 #   ENGINE="key=value ..." engine arguments set for both arms over the config's engine_kwargs,
 #   values read as YAML: e.g. ENGINE="async_scheduling=false max_num_batched_tokens=4096", the
-#   engine's levers on the quiet tenant's first token, RESULTS 42c)
+#   engine's levers on the quiet tenant's first token, RESULTS 42c),
+#   BUDGET_S (the call's time: the first arm runs a further load only while every later arm can
+#   still run as many in the time left, judged by the first arm's own start and loads and
+#   STOP_S=40 per server stop; the later arms run the loads it ran, and skip one that would end
+#   past BUDGET_S. Unset: no guard. On the lent host: BUDGET_S=570 inside host.sh's 585 s)
 # On the lent GPU host run it as `../shared/gpu/host.sh bench/gpu_flood.sh ...` (frees the GPU
 # and ports an earlier command left, sets the bundle's environment); on your own GPU machine,
 # with the project installed, run it directly (`make bench-flood`).
 set -uo pipefail
+T_CALL=$(date +%s)
 . "$(dirname "$0")/arm_lib.sh"
 CONFIG=${1:-deployments/gpu-1.yaml}; DUR=${2:-60}
 PY=${PYTHON:-python3}
@@ -97,9 +102,30 @@ arm_bench() {  # url arm [tenant-args]
     --label "$2" --out "$DIR/$2-bench" > "$DIR/$2-bench.log" 2>&1
   grep -A6 "^## Runs" "$DIR/$2-bench/summary.md" || tail -n 20 "$DIR/$2-bench.log"
 }
-flood() {  # url arm key-args metrics-args: one flood per load of LOADS, labelled arm-load
-  local load fin fout qin qout label
-  for load in ${LOADS:-1024/128/128/16}; do
+RUN_LOADS=""  # the loads the first arm ran; the later arms run these (BUDGET_S)
+N_ARMS=$(wc -w <<< "${ARMS:-bare stack}")
+STOP_S=${STOP_S:-40}  # an arm's server stop (the stack's Serve shutdown takes ~30 s)
+fits() {  # lead arm-start loads-run first-load-start: may the next load run within BUDGET_S?
+  [ -n "${BUDGET_S:-}" ] || return 0
+  local now per need; now=$(date +%s)
+  [ "$3" -gt 0 ] || return 0  # the first load always runs: nothing to judge by yet
+  per=$(( (now - $4) / $3 ))  # one load's time so far
+  need=$(( now - T_CALL + per + STOP_S ))
+  # the first arm leaves each later arm its own start, as many loads and its stop
+  [ "$1" = 1 ] && need=$(( need + (N_ARMS - 1) * (now - $2 + per + STOP_S) ))
+  echo "   budget: ${need}s of ${BUDGET_S}s with the next load (~${per}s a load)"
+  [ "$need" -le "$BUDGET_S" ]
+}
+flood() {  # url arm key-args metrics-args lead arm-start: one flood per load, labelled arm-load
+  local load fin fout qin qout label ran=0 first_load
+  first_load=$(date +%s)
+  for load in ${RUN_LOADS:-${LOADS:-1024/128/128/16}}; do
+    if ! fits "$5" "$6" "$ran" "$first_load"; then
+      echo "-- $2: load $load skipped: it would not end within BUDGET_S=$BUDGET_S for every arm"
+      continue
+    fi
+    [ "$5" = 1 ] && RUN_LOADS="$RUN_LOADS $load"
+    ran=$(( ran + 1 ))
     IFS=/ read -r fin fout qin qout <<< "$load"
     label="$2-$fin-$fout-$qin-$qout"
     echo "-- $label"
@@ -111,6 +137,7 @@ flood() {  # url arm key-args metrics-args: one flood per load of LOADS, labelle
   done
 }
 
+LEAD=1
 for arm in ${ARMS:-bare stack}; do
   T0=$(date +%s)
   if [ "$arm" = bare ]; then
@@ -120,7 +147,8 @@ for arm in ${ARMS:-bare stack}; do
 setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8100 $PID 420 none && \
-      flood http://127.0.0.1:8100 bare "" "--metrics-url http://127.0.0.1:8100/metrics" && \
+      flood http://127.0.0.1:8100 bare "" "--metrics-url http://127.0.0.1:8100/metrics" \
+        "$LEAD" "$T0" && \
       arm_bench http://127.0.0.1:8100 bare
   else  # stack or stack2
     echo "== $arm: serve-app run --config $DIR/$arm-config.yaml"
@@ -129,10 +157,13 @@ setsid $PY -m serve_app.cli run --config "$DIR/$arm-config.yaml" --port 8000 \
       > "$DIR/$arm-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \
-      flood http://127.0.0.1:8000 "$arm" "$FLOOD_ARGS --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" && \
+      flood http://127.0.0.1:8000 "$arm" "$FLOOD_ARGS --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" \
+        "$LEAD" "$T0" && \
       arm_bench http://127.0.0.1:8000 "$arm" "--tenant flood:${FLOOD_KEYS[0]}:1"
   fi
   stop $PID
   echo "$arm arm took $(( $(date +%s) - T0 ))s"
+  # The later arms run what the first ran (none: it failed to start, so they run every load).
+  LEAD=0; [ -n "$RUN_LOADS" ] || RUN_LOADS="${LOADS:-1024/128/128/16}"
 done
 cat "$DIR"/*-*-*.txt > "$DIR/summary.txt" 2>/dev/null; cat "$DIR/summary.txt"
