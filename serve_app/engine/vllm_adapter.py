@@ -8,6 +8,7 @@ the same code runs on the vLLM CPU build (0.32.x) and on the GPU hosts' vLLM (0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import sys
@@ -22,6 +23,7 @@ from serve_app.engine.protocol import (
     EngineRequestError,
     GenerationChunk,
     GenerationRequest,
+    SamplingOptions,
 )
 from serve_app.engine.placement import replica_placement_group
 from serve_app.engine.stall import EngineStalledError, kill_child_processes
@@ -282,8 +284,8 @@ class VLLMEngine:
                 output_kind=RequestOutputKind.DELTA if request.stream
                 else RequestOutputKind.FINAL_ONLY,
             )
-        except (ValueError, TypeError) as err:
-            raise EngineRequestError(str(err)) from None
+        except (ValueError, TypeError, *vllm_validation_errors()) as err:
+            raise request_error(err) from None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         entered = time.monotonic()
@@ -332,14 +334,41 @@ class VLLMEngine:
                     if cached is not None:  # for the usage record (serve_app/observability)
                         chunk.timing[CACHED_TOKENS] = float(cached)
                 yield chunk
-        except (ValueError, TypeError) as err:
-            # vLLM's own request validation (VLLMValidationError is a ValueError).
+        except (ValueError, TypeError, *vllm_validation_errors()) as err:
+            # vLLM's own request validation; a ValueError of ours or of a library is a fault.
             if type(err).__module__.startswith("vllm"):
-                raise EngineRequestError(str(err)) from None
+                raise request_error(err) from None
             raise
         finally:
             # vLLM aborts on cancellation itself; closing the stream covers generator close.
             await stream.aclose()
+
+
+# The request's sampling fields, by the names the OpenAI body and vLLM's messages use.
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingOptions))
+
+
+def vllm_validation_errors() -> tuple[type[Exception], ...]:
+    """vLLM's exception for a request it refuses for its content. vLLM 0.32 made
+    ``VLLMValidationError`` a ``VLLMClientError`` instead of a ``ValueError``, so an
+    ``except ValueError`` no longer sees it (a ``min_tokens`` over ``max_tokens`` became a 503,
+    found by the schema fuzzer); older vLLM raise ValueErrors, and have no such class."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return ()
+    return (VLLMValidationError,)
+
+
+def request_error(err: Exception) -> EngineRequestError:
+    """The 400 for vLLM's refusal ``err`` of a request, naming the field at fault: the one vLLM
+    names, else the sampling field its message starts with ("min_tokens must be ...")."""
+    message = str(err.args[0]) if err.args else str(err)
+    param = getattr(err, "parameter", None)
+    if param is None:
+        first = message.split(" ", 1)[0]
+        param = first if first in SAMPLING_FIELDS else None
+    return EngineRequestError(message, param=param)
 
 
 def _text_chars(request: GenerationRequest) -> int:

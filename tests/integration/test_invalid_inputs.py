@@ -31,6 +31,10 @@ CASES = [
      "prompt"),
     ("max-tokens-past-context", "POST", COMP, {"model": M, "prompt": "x", "max_tokens": 4096}, 400,
      "max_tokens"),
+    # Regression (the schema fuzzer): vLLM 0.32's refusal is no longer a ValueError, and the
+    # request got a 503 "the model is unavailable right now", every time.
+    ("min-tokens-over-max-tokens-regression-503", "POST", COMP,
+     {"model": M, "prompt": "x", "min_tokens": 10, "max_tokens": 4}, 400, "min_tokens"),
     ("token-id-out-of-vocab", "POST", COMP, {"model": M, "prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("too-many-stops", "POST", COMP, {"model": M, "prompt": "x", "stop": list("abcdef")}, 400,
      "stop"),
