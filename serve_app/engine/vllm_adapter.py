@@ -8,7 +8,6 @@ the same code runs on the vLLM CPU build (0.32.x) and on the GPU hosts' vLLM (0.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import logging
 import sys
@@ -23,11 +22,11 @@ from serve_app.engine.protocol import (
     EngineRequestError,
     GenerationChunk,
     GenerationRequest,
-    SamplingOptions,
 )
 from serve_app.engine.placement import replica_placement_group
 from serve_app.engine.stall import EngineStalledError, kill_child_processes
 from serve_app.engine.timing import CACHED_TOKENS, replica_phases
+from serve_app.engine.vllm_errors import request_error, vllm_validation_errors
 from serve_app.engine.vllm_stats import SchedulerCounts, ray_metrics_loggers, stat_logger_factory
 
 logger = logging.getLogger(__name__)
@@ -342,33 +341,6 @@ class VLLMEngine:
         finally:
             # vLLM aborts on cancellation itself; closing the stream covers generator close.
             await stream.aclose()
-
-
-# The request's sampling fields, by the names the OpenAI body and vLLM's messages use.
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingOptions))
-
-
-def vllm_validation_errors() -> tuple[type[Exception], ...]:
-    """vLLM's exception for a request it refuses for its content. vLLM 0.32 made
-    ``VLLMValidationError`` a ``VLLMClientError`` instead of a ``ValueError``, so an
-    ``except ValueError`` no longer sees it (a ``min_tokens`` over ``max_tokens`` became a 503,
-    found by the schema fuzzer); older vLLM raise ValueErrors, and have no such class."""
-    try:
-        from vllm.exceptions import VLLMValidationError
-    except ImportError:
-        return ()
-    return (VLLMValidationError,)
-
-
-def request_error(err: Exception) -> EngineRequestError:
-    """The 400 for vLLM's refusal ``err`` of a request, naming the field at fault: the one vLLM
-    names, else the sampling field its message starts with ("min_tokens must be ...")."""
-    message = str(err.args[0]) if err.args else str(err)
-    param = getattr(err, "parameter", None)
-    if param is None:
-        first = message.split(" ", 1)[0]
-        param = first if first in SAMPLING_FIELDS else None
-    return EngineRequestError(message, param=param)
 
 
 def _text_chars(request: GenerationRequest) -> int:

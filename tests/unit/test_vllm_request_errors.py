@@ -8,7 +8,8 @@ import pytest
 
 from serve_app.config import ModelSettings
 from serve_app.engine.protocol import EngineRequestError, GenerationRequest, SamplingOptions
-from serve_app.engine.vllm_adapter import VLLMEngine, request_error
+from serve_app.engine.vllm_adapter import VLLMEngine
+from serve_app.engine.vllm_errors import request_error
 
 
 @pytest.fixture(scope="module")
