@@ -127,3 +127,12 @@ stop_cluster() {  # Serve (its HAProxy with it) down first, then the cluster's n
   kill "$CLUSTER" 2>/dev/null
   CLUSTER=
 }
+
+pack_results() {  # dir: where $OUT is set, replace dir by one tarball of it (dir.tgz)
+  # The lent GPU host sends back at most 8 files from $OUT, none deeper than two folders: a
+  # flood call's twenty-odd files lost every stack-arm file (2026-12-05, RESULTS 42d), and the
+  # LoRA runs' per-arm folders were too deep. The tarball holds them all, and the folder goes so
+  # that its files do not crowd the tarball out of the eight. Without $OUT the folder stays.
+  [ -n "${OUT:-}" ] && [ -d "$1" ] || return 0
+  tar czf "$1.tgz" -C "$(dirname "$1")" "$(basename "$1")" && rm -rf "$1" && echo "packed into $1.tgz"
+}

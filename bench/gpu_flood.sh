@@ -167,3 +167,4 @@ setsid $PY -m serve_app.cli run --config "$DIR/$arm-config.yaml" --port 8000 \
   LEAD=0; [ -n "$RUN_LOADS" ] || RUN_LOADS="${LOADS:-1024/128/128/16}"
 done
 cat "$DIR"/*-*-*.txt > "$DIR/summary.txt" 2>/dev/null; cat "$DIR/summary.txt"
+cp "$DIR/summary.txt" "$DIR.summary.txt" 2>/dev/null; pack_results "$DIR"

@@ -236,3 +236,4 @@ for part in $PARTS; do
 done
 echo "took $(( $(date +%s) - T0 ))s" >> "$REPORT"
 cat "$REPORT"
+pack_results "$DEST/lora"
