@@ -3,8 +3,10 @@
 # floods the endpoint with FLOOD_C concurrent requests (1024 in / 128 out; non-streaming unless
 # FLOOD_STREAM) while a quiet tenant sends one streamed request at a time (128 in / 16 out), from
 # a client process of its own (`serve-app flood --quiet-process`). Arms: bare `vllm serve` (same engine arguments,
-# FCFS order since it gets no priorities), the stack with two tenants, and stack2 (the same with
-# two router replicas, HAProxy spreading the clients). Each arm's server starts once and runs
+# FCFS order since it gets no priorities), the stack with two tenants, stack2 (the same with
+# two router replicas, HAProxy spreading the clients) and stackpbp (the stack with the model's
+# priority_before_prefill: vLLM's scheduler lets a quiet tenant's request start before the
+# flood's partial prefills, serve_app/engine/vllm_scheduler.py). Each arm's server starts once and runs
 # every load of LOADS in turn. Results under $OUT.
 # usage: bench/gpu_flood.sh [CONFIG] [DURATION_S]     (env: PYTHON, FLOOD_C, ARMS="bare stack",
 #   LOADS="FLOOD_IN/FLOOD_OUT/QUIET_IN/QUIET_OUT ..." (default "1024/128/128/16"),
@@ -92,6 +94,18 @@ cfg = yaml.safe_load(Path(sys.argv[1]).read_text())
 cfg["router"]["num_replicas"] = 2
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
+# stackpbp: the stack with the engine's scheduler change (the model's priority_before_prefill,
+# serve_app/engine/vllm_scheduler.py), for the paired A/B against stack in one call.
+$PY - "$DIR/stack-config.yaml" > "$DIR/stackpbp-config.yaml" <<'PY'
+import sys
+from pathlib import Path
+
+import yaml
+
+cfg = yaml.safe_load(Path(sys.argv[1]).read_text())
+cfg["models"][0]["priority_before_prefill"] = True
+print(yaml.safe_dump(cfg, sort_keys=False))
+PY
 
 ray_metrics_urls() {  # the metrics agents Ray lists for Prometheus
   $PY -c "import json; print(' '.join('--metrics-url http://%s/metrics' % t for g in json.load(open('/tmp/ray/prom_metrics_service_discovery.json')) for t in g['targets']))" 2>/dev/null
@@ -150,7 +164,7 @@ setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
       flood http://127.0.0.1:8100 bare "" "--metrics-url http://127.0.0.1:8100/metrics" \
         "$LEAD" "$T0" && \
       arm_bench http://127.0.0.1:8100 bare
-  else  # stack or stack2
+  else  # stack, stack2 or stackpbp
     echo "== $arm: serve-app run --config $DIR/$arm-config.yaml"
     require_free_port 8000 || exit 1
 setsid $PY -m serve_app.cli run --config "$DIR/$arm-config.yaml" --port 8000 \

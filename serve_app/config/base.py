@@ -31,6 +31,7 @@ _OWNED_ENGINE_KWARGS = {
     "max_loras": "lora",
     "max_lora_rank": "lora",
     "max_cpu_loras": "lora",
+    "scheduler_cls": "priority_before_prefill",
 }
 
 

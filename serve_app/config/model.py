@@ -141,6 +141,12 @@ class ModelSettings(_Strict):
         "take to finish its streams; it gets no new requests meanwhile. Size it to the longest "
         "generation you allow (max_model_len tokens at your slowest per-token latency).",
     )
+    priority_before_prefill: bool = Field(
+        False, description="Run vLLM's scheduler with one change (serve_app/engine/"
+        "vllm_scheduler.py): a waiting request that the router ranked well ahead (a quiet "
+        "tenant's beside a flood) starts before lower-ranked prompts part-way through their "
+        "chunked prefill, which vLLM otherwise serves first. Off until measured on a GPU "
+        "(bench/RESULTS.md 42d).")
     engine_stall_timeout_s: float | None = Field(
         DEFAULT_STALL_TIMEOUT_S, gt=0, description="Floor of the engine stall watch's timeout "
         "(serve_app/engine/stall.py). A replica whose engine holds requests but finishes no "

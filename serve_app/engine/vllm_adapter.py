@@ -107,6 +107,9 @@ class VLLMEngine:
         # of the prompts per step that bare vLLM started, and ran 150 requests instead of 500).
         usage = UsageContext.OPENAI_API_SERVER
         vllm_config = args.create_engine_config(usage)
+        if self.settings.priority_before_prefill:  # after async scheduling is resolved
+            from serve_app.engine.vllm_scheduler import use_priority_before_prefill
+            use_priority_before_prefill(vllm_config)
         if self.settings.executor_backend == "ray":
             vllm_config.parallel_config.placement_group = replica_placement_group(
                 self.settings.tensor_parallel_size)

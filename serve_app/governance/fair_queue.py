@@ -27,6 +27,7 @@ from collections import Counter, OrderedDict, deque
 from typing import Callable, Generic, Hashable, Literal, Mapping, TypeVar
 
 from serve_app.config import Priority
+from serve_app.engine.priority import encode_priority
 
 BANDS: tuple[Priority, ...] = ("high", "normal", "low")
 T = TypeVar("T", bound=Hashable)
@@ -237,10 +238,7 @@ def engine_priority(band: Priority, tenant_in_flight: int) -> int:
     6.7 s TTFT for the quiet tenant). vLLM breaks ties by arrival; under KV pressure it
     preempts the running request with the largest value, so the heaviest tenant yields first.
     """
-    return (BANDS.index(band) << _COUNT_BITS) | min(tenant_in_flight, (1 << _COUNT_BITS) - 1)
-
-
-_COUNT_BITS = 32
+    return encode_priority(BANDS.index(band), tenant_in_flight)
 
 
 QueuePolicy = Literal["fair", "fifo"]
