@@ -152,31 +152,34 @@ flood() {  # url arm key-args metrics-args lead arm-start: one flood per load, l
 }
 
 LEAD=1
+declare -A RUNS  # an arm named again (ARMS="stack stackpbp stackpbp stack"): its files say stack-run2
 for arm in ${ARMS:-bare stack}; do
   T0=$(date +%s)
+  RUNS[$arm]=$(( ${RUNS[$arm]:-0} + 1 ))
+  tag=$arm; [ "${RUNS[$arm]}" -gt 1 ] && tag="$arm-run${RUNS[$arm]}"
   if [ "$arm" = bare ]; then
     BARE_CMD=$($PY -m serve_bench.arms "$CONFIG")
     echo "== bare: $BARE_CMD --port 8100"
     require_free_port 8100 || exit 1
-setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/bare-server.log" 2>&1 &
+setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/$tag-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8100 $PID 420 none && \
-      flood http://127.0.0.1:8100 bare "" "--metrics-url http://127.0.0.1:8100/metrics" \
+      flood http://127.0.0.1:8100 "$tag" "" "--metrics-url http://127.0.0.1:8100/metrics" \
         "$LEAD" "$T0" && \
-      arm_bench http://127.0.0.1:8100 bare
+      arm_bench http://127.0.0.1:8100 "$tag"
   else  # stack, stack2 or stackpbp
     echo "== $arm: serve-app run --config $DIR/$arm-config.yaml"
     require_free_port 8000 || exit 1
 setsid $PY -m serve_app.cli run --config "$DIR/$arm-config.yaml" --port 8000 \
-      > "$DIR/$arm-server.log" 2>&1 &
+      > "$DIR/$tag-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \
-      flood http://127.0.0.1:8000 "$arm" "$FLOOD_ARGS --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" \
+      flood http://127.0.0.1:8000 "$tag" "$FLOOD_ARGS --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" \
         "$LEAD" "$T0" && \
-      arm_bench http://127.0.0.1:8000 "$arm" "--tenant flood:${FLOOD_KEYS[0]}:1"
+      arm_bench http://127.0.0.1:8000 "$tag" "--tenant flood:${FLOOD_KEYS[0]}:1"
   fi
   stop $PID
-  echo "$arm arm took $(( $(date +%s) - T0 ))s"
+  echo "$tag arm took $(( $(date +%s) - T0 ))s"
   # The later arms run what the first ran (none: it failed to start, so they run every load).
   LEAD=0; [ -n "$RUN_LOADS" ] || RUN_LOADS="${LOADS:-1024/128/128/16}"
 done
