@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
-
 import pytest
 
 from serve_app.config import ModelSettings
@@ -24,7 +22,6 @@ from serve_app.engine.vllm_adapter import VLLMEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]  # one engine start on 2 cores, ~1.5 min
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
 FLOODS, FLOOD_PROMPT, QUIET_PROMPT, BUDGET = 4, 1900, 12, 16
 
 
@@ -40,10 +37,10 @@ async def _first_token_at(engine: VLLMEngine, request: GenerationRequest,
         firsts.setdefault(request.request_id, time.monotonic())
 
 
-def test_a_quiet_request_beside_flood_prefills_gets_its_first_token_first():
+def test_a_quiet_request_beside_flood_prefills_gets_its_first_token_first(tiny_model_path):
     async def scenario() -> dict[str, float]:
         engine = VLLMEngine(ModelSettings(
-            name="tiny", path=str(MODEL), device="cpu", max_model_len=2048,
+            name="tiny", path=str(tiny_model_path), device="cpu", max_model_len=2048,
             priority_before_prefill=True,
             engine_kwargs={"dtype": "float32", "enforce_eager": True, "max_num_seqs": 16,
                            "max_num_batched_tokens": BUDGET}))
