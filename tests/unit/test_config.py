@@ -84,7 +84,7 @@ def test_pipeline_parallel_on_cpu_with_its_compile_warm_up():
     assert cfg.models[0].executor_backend == "mp"
 
 
-@pytest.mark.parametrize("key", ["model", "tensor_parallel_size", "max_model_len"])
+@pytest.mark.parametrize("key", ["model", "tensor_parallel_size", "max_model_len", "scheduler_cls"])
 def test_engine_kwargs_may_not_override_schema(key):
     msg = _error({"models": [_model(engine_kwargs={key: 1})]})
     assert "models.0.engine_kwargs" in msg and key in msg
@@ -143,3 +143,10 @@ def test_engine_stall_timeout_defaults_on_and_may_be_turned_off():
     assert off.models[0].engine_stall_timeout_s is None
     msg = _error({"models": [_model(engine_stall_timeout_s=0)]})
     assert "engine_stall_timeout_s" in msg
+
+
+def test_scheduler_cls_in_engine_kwargs_names_the_models_own_field():
+    """The engine's scheduler class is the schema's (priority_before_prefill picks it to match
+    the engine's async scheduling); an engine_kwargs entry would silently disagree."""
+    msg = _error({"models": [_model(engine_kwargs={"scheduler_cls": "x.Y"})]})
+    assert "priority_before_prefill" in msg
