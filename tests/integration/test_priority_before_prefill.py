@@ -43,7 +43,12 @@ def test_a_quiet_request_beside_flood_prefills_gets_its_first_token_first(tiny_m
             name="tiny", path=str(tiny_model_path), device="cpu", max_model_len=2048,
             priority_before_prefill=True,
             engine_kwargs={"dtype": "float32", "enforce_eager": True, "max_num_seqs": 16,
-                           "max_num_batched_tokens": BUDGET}))
+                           "max_num_batched_tokens": BUDGET,
+                           # A 1 GiB KV cache, as the CPU config's VLLM_CPU_KVCACHE_SPACE gives
+                           # its replicas: without it vLLM's CPU engine asks for 92% of the
+                           # machine's memory and refuses to start beside the rest of the
+                           # suite (seen in a full `make test-long`).
+                           "kv_cache_memory_bytes": 1 << 30}))
         await engine.start()
         try:
             scheduler = engine._engine.vllm_config.scheduler_config.scheduler_cls
