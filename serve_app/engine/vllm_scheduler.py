@@ -67,7 +67,8 @@ class _PriorityBeforePrefill:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         order = {id(r): i for i, r in enumerate(self.running)}
         held_ids = {id(r) for r in held}
-        self.running = [r for r in self.running if id(r) not in held_ids]
+        # In place: the list is vLLM's, and nothing may keep a stale alias of it.
+        self.running[:] = [r for r in self.running if id(r) not in held_ids]
         caps = {name: getattr(self, name) for name in _SLOT_LIMITS if hasattr(self, name)}
         for name, cap in caps.items():
             setattr(self, name, cap - len(held))
@@ -80,7 +81,7 @@ class _PriorityBeforePrefill:
             # running; the ones this step admitted stay after them, as vLLM appends them.
             before = [r for r in self.running if id(r) in order] + held
             before.sort(key=lambda r: order[id(r)])
-            self.running = before + [r for r in self.running if id(r) not in order]
+            self.running[:] = before + [r for r in self.running if id(r) not in order]
 
 
 class PriorityBeforePrefillScheduler(_PriorityBeforePrefill, Scheduler):
