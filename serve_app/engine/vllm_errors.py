@@ -1,7 +1,7 @@
 """How vLLM's refusal of a request for its content becomes the client's 400: which exceptions
 are refusals, whatever the vLLM version, and which request field each names. Part of the vLLM
-adapter (with :mod:`serve_app.engine.vllm_adapter` and :mod:`serve_app.engine.vllm_stats`, the
-only modules that import vllm)."""
+adapter (with :mod:`serve_app.engine.vllm_adapter`, :mod:`serve_app.engine.vllm_stats` and
+:mod:`serve_app.engine.vllm_scheduler`, the only modules that import vllm)."""
 
 from __future__ import annotations
 

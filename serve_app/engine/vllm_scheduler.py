@@ -10,7 +10,7 @@ queue, or was chunked over two steps; its first token took ~200 ms where one ste
 
 What: before each step, the running requests that still have prompt tokens to prefill and that
 the waiting queue's head outranks (:func:`~serve_app.engine.priority.outranks`: a better
-band, or its tenant has at most half as many requests in the engines) are held out of that
+band, or its tenant has fewer than half as many requests in the engines) are held out of that
 step. The step's budget then goes to the decodes, the head and whatever else waits, in vLLM's
 own order; the held prefills keep their KV blocks and resume at the next step. Decodes are never
 held, nothing is preempted or recomputed, and when no such head waits (the flood alone, every
