@@ -16,6 +16,8 @@ longest cached prefix of the prompt, weighed against load (:mod:`serve_app.routi
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.serve.request_router import (
@@ -40,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 TARGET_KWARG = "target_replica"
 ROUTER_CLASS = "serve_app.routing.pinned:PinnedOrPolicyRouter"
+# How long a choice counts in its replica's load while Serve has not routed its request: far
+# beyond a send's round trip (milliseconds), short enough that a request cancelled before it
+# was sent stops counting soon.
+UNSENT_TTL_S = 1.0
 
 
 def pinned_target(pending_request: PendingRequest | None) -> str | None:
@@ -79,6 +85,42 @@ class DecisionCounter:
         self._counter.inc(1, tags={"model": self.model, "reason": reason})
 
 
+class UnsentChoices:
+    """The replicas this router chose for requests that Serve has not routed yet.
+
+    Serve counts a request in a replica's queue length when it sends it, and learns the real
+    figure from the replica's answer. Decisions taken together (a burst: each awaits the same
+    probe, or each is taken before the previous one's request is sent) all read the same
+    loads, so a load bound let the whole burst through to one replica (12 of 12 in the
+    prefix-affinity spill test). The router adds these counts to the loads it gives the
+    policy. A request's choice ends when Serve routes it (``on_request_routed``; until then it
+    may count twice, once here and once in Serve's cache: a replica looks busier for one round
+    trip, never idler), when the request is routed again (its new choice replaces it), or after
+    ``UNSENT_TTL_S`` (a request cancelled before it was sent)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        # id of the pending request -> (its replica, when chosen, the request: kept so that its
+        # id cannot be reused while the entry lives)
+        self._chosen: dict[int, tuple[str, float, object]] = {}
+
+    def chose(self, pending_request: object, replica_id: str) -> None:
+        self._chosen[id(pending_request)] = (replica_id, self._clock(), pending_request)
+
+    def routed(self, pending_request: object) -> None:
+        self._chosen.pop(id(pending_request), None)
+
+    def counts(self) -> dict[str, int]:
+        """Replica id -> choices still unsent (stale ones dropped)."""
+        oldest = self._clock() - UNSENT_TTL_S
+        for stale in [k for k, (_, at, _) in self._chosen.items() if at < oldest]:
+            del self._chosen[stale]
+        counts: dict[str, int] = {}
+        for replica_id, _, _ in self._chosen.values():
+            counts[replica_id] = counts.get(replica_id, 0) + 1
+        return counts
+
+
 class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Honours ``target_replica``; otherwise the configured routing policy.
 
@@ -89,6 +131,7 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     policy: RoutingPolicy
     decisions: Any
+    unsent: UnsentChoices
 
     def initialize_state(self, model: str = "", **routing: Any) -> None:
         """Called by Serve with the deployment's ``request_router_kwargs``: the model's
@@ -98,6 +141,7 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.policy = build_policy(settings.policy, model,
                                    **settings.model_dump(exclude={"policy"}))
         self.decisions = DecisionCounter(model)
+        self.unsent = UnsentChoices()
 
     def _policy(self) -> RoutingPolicy:
         # Serve calls initialize_state right after construction; tests may build bare routers.
@@ -117,6 +161,12 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         loads: dict[str, int | None] = {}
         if key is not None and policy.needs_load(key):
             loads = await self._loads(candidate_replicas)
+            # Read after the await: the choices taken while it waited count.
+            if pending_request is not None:
+                self._unsent().routed(pending_request)  # a retry: its earlier choice is void
+            for rid, n in self._unsent().counts().items():
+                if loads.get(rid) is not None:
+                    loads[rid] = loads[rid] + n  # type: ignore[operator]
         choice = policy.choose(key, [Candidate(r.replica_id.unique_id,
                                                loads.get(r.replica_id.unique_id))
                                      for r in candidate_replicas])
@@ -129,6 +179,8 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 self, candidate_replicas, pending_request)  # type: ignore[arg-type]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if pending_request is not None:
+            if loads and choice.ranked[0] in by_id:
+                self._unsent().chose(pending_request, choice.ranked[0])
             # Every candidate is in the ranks: when all refuse, Serve must back off before
             # asking again (without it, it asks again at once, in a busy loop).
             request_backoff(pending_request)
@@ -140,10 +192,16 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         are told to the policy, which may count them in the replica's load."""
         if pinned_target(pending_request) is not None:
             return
+        self._unsent().routed(pending_request)
         try:
             self._policy().routed(replica_id.unique_id)
         except Exception:  # bookkeeping must never fail a request
             logger.debug("routing policy's routed() failed", exc_info=True)
+
+    def _unsent(self) -> UnsentChoices:
+        if not hasattr(self, "unsent"):  # a bare router (tests) gets it on first use
+            self.unsent = UnsentChoices()
+        return self.unsent
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
         """Each replica's queue length: from Serve's cache, else probed now (Serve's probe,

@@ -180,3 +180,53 @@ def test_a_cold_request_goes_through_serves_power_of_two(monkeypatch):
     chosen = asyncio.run(router.choose_replicas([_replica("a"), _replica("b")], _pending("hi")))
     assert calls == [2] and len(chosen) == 1
     assert router.decisions.reasons == ["cold"]
+
+
+def _first_picks(router: PinnedOrPolicyRouter, pendings: list) -> list[str]:
+    async def run() -> list:
+        return await asyncio.gather(*(router.choose_replicas([_replica("a"), _replica("b")], p)
+                                      for p in pendings))
+    return [chosen[0][0].replica_id.unique_id for chosen in asyncio.run(run())]
+
+
+def test_a_burst_decided_together_is_bounded_like_one_decided_in_turn_regression_all_twelve_on_one_replica():
+    """Concurrent decisions all read the loads before any of their requests is sent (here: each
+    awaits the same probe, Serve's cache having forgotten both replicas), so each saw the same
+    loads and the whole burst went to the key's replica (the prefix-affinity spill test: 12 of
+    12, none spilled). The router counts the replicas it chose for requests not yet routed: the
+    burst splits as the same requests decided one at a time, each sent before the next."""
+    key_of = _affinity_router({}).policy.key(_pending(PROMPT).args[0])
+    home, other = rendezvous_order(key_of, ["a", "b"])  # type: ignore[arg-type]
+
+    async def probe(replicas, backoff_index):
+        await asyncio.sleep(0)  # every decision of the burst waits here together
+        return [(r, 0) for r in replicas]
+
+    router = _affinity_router({}, margin=2)
+    router._probe_queue_lens = probe  # type: ignore[method-assign]
+    together = _first_picks(router, [_pending(PROMPT) for _ in range(6)])
+
+    one_at_a_time: list[str] = []
+    for _ in range(6):  # each request sent (Serve counts it) before the next is decided
+        loads = {rid: one_at_a_time.count(rid) for rid in ("a", "b")}
+        one_at_a_time += _first_picks(_affinity_router(loads, margin=2), [_pending(PROMPT)])
+    assert one_at_a_time.count(other) >= 1  # the case spills at all
+    assert sorted(together) == sorted(one_at_a_time), (together, one_at_a_time)
+
+
+def test_a_routed_request_no_longer_counts_as_chosen_nor_does_a_stale_choice():
+    """Once Serve has routed a request (its queue-length cache counts it) the router's own count
+    of it ends; a choice whose request never went anywhere (cancelled before it was sent)
+    ends after ``UNSENT_TTL_S``; a request routed again replaces its earlier choice."""
+    router = _affinity_router({"a": 0, "b": 0}, margin=2)
+    now = [100.0]
+    router.unsent = pinned.UnsentChoices(clock=lambda: now[0])
+    first, second = _pending(PROMPT), _pending(PROMPT)
+    (home,) = set(_first_picks(router, [first, second]))
+    assert router.unsent.counts() == {home: 2}
+    _first_picks(router, [first])  # a retry of the same request: still one choice for it
+    assert router.unsent.counts() == {home: 2}
+    router.on_request_routed(first, SimpleNamespace(unique_id=home), None)
+    assert router.unsent.counts() == {home: 1}
+    now[0] += pinned.UNSENT_TTL_S + 0.01
+    assert router.unsent.counts() == {}
