@@ -3,7 +3,8 @@ replicas' load during it, and write the comparison table.
 
     python bench/prefix_affinity_report.py scrape OUT.json [--sd FILE] [--min-finished N]
         vLLM's prefix-cache queries and hits (tokens) and finished requests, per engine replica
-        (label ReplicaId), summed over every Ray metrics agent the service-discovery file names;
+        (label ReplicaId), and the routers' decisions by reason (``decision:REASON`` under each
+        router replica), summed over every Ray metrics agent the service-discovery file names;
         with --min-finished, read again until the replicas have finished N requests in all
         (Ray's agents export what the engines counted seconds ago: read at once, the last
         requests of a run were missing)
@@ -35,22 +36,32 @@ SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"  # Ray's default temp d
 COUNTERS = {"queries": "ray_vllm_prefix_cache_queries_total",
             "hits": "ray_vllm_prefix_cache_hits_total",
             "finished": "ray_vllm_request_success_total"}
+# The request routers' decisions by reason (serve_app.routing.policy.REASONS): why the policy
+# sent a request where it did; a prefix policy that loses hit rate shows it here (load_fallback).
+DECISIONS = "ray_serve_app_routing_decisions_total"
+_REASON = re.compile(r'reason="([^"]*)"')
 _LINE = re.compile(r"^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+|NaN)$")
 _REPLICA = re.compile(r'ReplicaId="([^"]*)"')
 
 
 def parse_counters(text: str) -> dict[str, dict[str, float]]:
     """ReplicaId -> {queries, hits, finished} from a Prometheus text page (summed over the
-    other labels). Series without a ReplicaId (a bare vLLM) count under ""."""
+    other labels), and ``decision:REASON`` for a router replica's routing decisions. Series
+    without a ReplicaId (a bare vLLM) count under ""."""
     wanted = {name: key for key, name in COUNTERS.items()}
     out: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         m = _LINE.match(line.strip())
-        if not m or m.group(1) not in wanted:
+        if not m or (m.group(1) not in wanted and m.group(1) != DECISIONS):
             continue
+        if m.group(1) == DECISIONS:
+            reason = _REASON.search(m.group(2))
+            key = f"decision:{reason.group(1) if reason else ''}"
+        else:
+            key = wanted[m.group(1)]
         rid = _REPLICA.search(m.group(2))
         per = out.setdefault(rid.group(1) if rid else "", dict.fromkeys(COUNTERS, 0.0))
-        per[wanted[m.group(1)]] += float(m.group(3))
+        per[key] = per.get(key, 0.0) + float(m.group(3))
     return out
 
 
@@ -159,6 +170,17 @@ def hit_rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[s
     return out
 
 
+def decisions(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """The routers' decisions over the run, by reason (after - before, summed over routers)."""
+    out: dict[str, float] = {}
+    for rid, a in after.items():
+        for key, v in a.items():
+            if key.startswith("decision:"):
+                reason = key.partition(":")[2]
+                out[reason] = out.get(reason, 0.0) + v - before.get(rid, {}).get(key, 0.0)
+    return {reason: n for reason, n in sorted(out.items()) if n}
+
+
 def load_balance(lines: list[str]) -> tuple[dict[str, float], float]:
     """Mean running requests per replica over the samples that saw any work, and the ratio of
     the busiest replica's mean to the least busy one's (inf when one ran nothing)."""
@@ -182,8 +204,9 @@ def load_balance(lines: list[str]) -> tuple[dict[str, float], float]:
 def table(root: Path) -> str:
     rows = ["| workload | policy | TTFT p50 (ms) | TTFT p99 (ms) | out tok/s | hit rate "
             "(all) | ceiling | record predicted / cached, mean abs error | hit rate per "
-            "replica | requests per replica | mean running per replica (max/min) | failed |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "replica | requests per replica | mean running per replica (max/min) | routing decisions "
+            "| failed |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by_workload: dict[str, dict[str, dict[str, float]]] = {}
     for arm in sorted(p for p in root.iterdir() if (p / "results.json").exists()):
         workload, _, policy = arm.name.partition("--")
@@ -194,8 +217,10 @@ def table(root: Path) -> str:
         if (arm / "record-before.json").exists() and (arm / "record-after.json").exists():
             err = record_error(json.loads((arm / "record-before.json").read_text()),
                                json.loads((arm / "record-after.json").read_text()))
-        rates = hit_rates(json.loads((arm / "before.json").read_text()),
-                          json.loads((arm / "after.json").read_text()))
+        before = json.loads((arm / "before.json").read_text())
+        after = json.loads((arm / "after.json").read_text())
+        rates = hit_rates(before, after)
+        reasons = decisions(before, after)
         rates = {rid: d for rid, d in rates.items() if d["queries"] > 0}
         queries = sum(d["queries"] for d in rates.values())
         overall = sum(d["hits"] for d in rates.values()) / queries if queries else float("nan")
@@ -212,6 +237,7 @@ def table(root: Path) -> str:
             + ", ".join(f"{d['hit_rate']:.2f}" for d in rates.values()) + " | "
             + ", ".join(f"{d['finished']:.0f}" for d in rates.values()) + " | "
             + ", ".join(f"{v:.1f}" for v in means.values()) + f" ({ratio:.2f}) | "
+            + (", ".join(f"{r} {n:.0f}" for r, n in reasons.items()) or "-") + " | "
             f"{s['failed']} |")
     rows.append("")
     for workload, arms in by_workload.items():

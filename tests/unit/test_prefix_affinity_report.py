@@ -31,6 +31,24 @@ def test_counters_are_summed_per_replica():
     assert c["r2"] == {"queries": 500.0, "hits": 100.0, "finished": 10.0}
 
 
+ROUTERS_PAGE = """\
+ray_serve_app_routing_decisions_total{ReplicaId="router1",model="m",reason="affinity"} 30.0
+ray_serve_app_routing_decisions_total{ReplicaId="router1",model="m",reason="load_fallback"} 4.0
+ray_serve_app_routing_decisions_total{ReplicaId="router2",model="m",reason="affinity"} 12.0
+"""
+
+
+def test_routing_decisions_are_counted_by_reason_over_the_run():
+    before = report.parse_counters(ROUTERS_PAGE)
+    after = report.parse_counters(ROUTERS_PAGE.replace("30.0", "50.0").replace(
+        "} 4.0", "} 9.0").replace("12.0", "13.0"))
+    assert before["router1"]["decision:load_fallback"] == 4.0
+    assert report.decisions(before, after) == {"affinity": 21.0, "load_fallback": 5.0}
+    # A router that started during the run counts from 0; engines carry no decisions.
+    assert report.decisions({}, before) == {"affinity": 42.0, "load_fallback": 4.0}
+    assert report.decisions({}, report.parse_counters(PAGE)) == {}
+
+
 def test_hit_rates_are_over_the_run_only():
     before = {"r1": {"queries": 600.0, "hits": 500.0, "finished": 0.0}}
     rates = report.hit_rates(before, report.parse_counters(PAGE))
@@ -57,7 +75,10 @@ def test_the_table_pairs_the_policies_of_a_workload(tmp_path):
             "failed": 0}}]}))
         (arm / "before.json").write_text("{}")
         (arm / "after.json").write_text(json.dumps(
-            {"r1": {"queries": 1000.0, "hits": hits, "finished": 5.0}}))
+            {"r1": {"queries": 1000.0, "hits": hits, "finished": 5.0},
+             "router1": {"queries": 0.0, "hits": 0.0, "finished": 0.0,
+                         "decision:affinity": 4.0, "decision:load_fallback": 1.0}}))
     text = report.table(tmp_path)
     assert "| shared | prefix_affinity | 120.0 | 240.0 | 1400 | 0.950 |" in text
+    assert "| affinity 4, load_fallback 1 | 0 |" in text  # the router is no engine row
     assert "TTFT p50 **0.40x**, output throughput **1.40x**, hit rate 0.60 -> 0.95" in text
