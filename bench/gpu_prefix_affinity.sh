@@ -15,6 +15,11 @@
 #           and an OUTPUT-token answer), NUM_CHAT (384) requests after one warm-up per prompt
 #   history the same with short system prompts and long turns (256-token prompts, 512-token
 #           user turns, 256-token answers)
+#           SESSION_SHUFFLE=SPAN (chat, history): each later pass over the sessions shuffled within
+#           spans of SPAN places (serve-app bench --session-shuffle; 32 with 64 sessions at c=32
+#           keeps every next turn 33 requests or more after its last). 0 (the default, as 38b
+#           ran): every pass in one order, a lockstep that lets power of two keep sessions on
+#           one replica by accident (RESULTS 38c)
 # Each arm's row carries the workload's ceiling: the share of its prompt tokens a perfect router
 # (unbounded caches) could find cached (serve_bench.shared_prefix.cached_ceiling), and under
 # prefix_cache the error of the replicas' LRU records (predicted cached share against vLLM's).
@@ -103,7 +108,8 @@ bench_args() {  # workload seed: the serve-app bench arguments of one arm
   [ "$1" = hot ] && tenants="--tenant t0:${KEYS[0]}:0.7 --tenant t1:${KEYS[1]}:0.1 --tenant t2:${KEYS[2]}:0.1 --tenant t3:${KEYS[3]}:0.1"
   local shape="--prefix-groups $GROUPS_N --prefix-len $PREFIX --input-len $SUFFIX"
   [ "$1" = random ] && shape="--input-len $((PREFIX + SUFFIX)) --warmup $CONC"
-  local sessions="--turns ${TURNS:-6} --sessions ${SESSIONS:-64} --prefix-skew ${SKEW:-1.0}"
+  local sessions="--turns ${TURNS:-6} --sessions ${SESSIONS:-64} --prefix-skew ${SKEW:-1.0} \
+--session-shuffle ${SESSION_SHUFFLE:-0}"
   [ "$1" = chat ] && shape="--prefix-groups $CHAT_GROUPS --prefix-len ${CHAT_PREFIX:-1024} \
 --input-len ${CHAT_SUFFIX:-256} $sessions"
   [ "$1" = history ] && shape="--prefix-groups $CHAT_GROUPS --prefix-len 256 --input-len 512 \
@@ -159,7 +165,7 @@ grep -h "KV cache size" /tmp/ray/session_latest/logs/*.err /tmp/ray/session_late
 {
   echo "### ${POLICIES:-power_of_two prefix_affinity} ($MODEL, two replicas on one device)"
   echo
-  echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each${KV_BYTES:+, KV cache $KV_BYTES bytes each}; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%; chat: $CHAT_GROUPS system prompts x ${CHAT_PREFIX:-1024} tokens (skew ${SKEW:-1.0}), ${SESSIONS:-64} sessions x ${TURNS:-6} turns of ${CHAT_SUFFIX:-256} + $OUTPUT tokens, ${NUM_CHAT:-384} requests; history: the same with 256-token system prompts, 512-token turns, 256-token answers."
+  echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each${KV_BYTES:+, KV cache $KV_BYTES bytes each}; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%; chat: $CHAT_GROUPS system prompts x ${CHAT_PREFIX:-1024} tokens (skew ${SKEW:-1.0}), ${SESSIONS:-64} sessions x ${TURNS:-6} turns of ${CHAT_SUFFIX:-256} + $OUTPUT tokens, ${NUM_CHAT:-384} requests${SESSION_SHUFFLE:+, passes shuffled in spans of $SESSION_SHUFFLE}; history: the same with 256-token system prompts, 512-token turns, 256-token answers."
   echo
   $PY bench/prefix_affinity_report.py table "$DIR"
   echo; echo "Engines' KV caches:"; sed 's/^/    /' "$DIR/kv-cache.txt"

@@ -71,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-skew", type=float, default=0.0,
                    help="shared-prefix mode: Zipf exponent of the groups' popularity within a "
                    "tenant (0: uniform)")
+    p.add_argument("--session-shuffle", type=int, default=0, metavar="SPAN",
+                   help="shared-prefix mode with --turns: shuffle each later pass over the "
+                   "sessions within spans of SPAN places, as independent users' turns have no "
+                   "fixed order; a session's next turn still comes at least sessions - SPAN + 1 "
+                   "requests after its last (keep that above --concurrency). 0: every pass in "
+                   "the same order")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-e2el-ms", type=float, default=None)
@@ -153,7 +159,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                      f"shared prefix: {shape.groups} groups of {shape.prefix_len} tokens, unique "
                      f"suffix {shape.suffix_len} tokens, {shape.turns} turn(s) per session"
                      + (f", {shape.sessions} sessions per round" if shape.sessions else "")
-                     + (f", popularity skew {shape.skew:g}" if shape.skew else ""))
+                     + (f", popularity skew {shape.skew:g}" if shape.skew else "")
+                     + (f", each pass shuffled in spans of {shape.shuffle_span}"
+                        if shape.shuffle_span > 1 else ""))
                     + f", output {args.output_len} tokens (ignore_eos), {args.num_requests} "
                     f"requests per run, tenants "
                     f"{[t.name + (f' -> {t.model}' if t.model else '') for t in tenants]}",
@@ -174,8 +182,11 @@ def shared_prefix_shape(args: argparse.Namespace, in_len: tuple[int, int],
     if in_len[0] != in_len[1] or out_len[0] != out_len[1]:
         raise SystemExit("shared-prefix mode: give --input-len (the suffix) and --output-len "
                          "as one number each")
-    return SharedPrefix(args.prefix_groups, args.prefix_len, in_len[0], out_len[0], args.turns,
-                        args.sessions, args.prefix_skew)
+    try:
+        return SharedPrefix(args.prefix_groups, args.prefix_len, in_len[0], out_len[0],
+                            args.turns, args.sessions, args.prefix_skew, args.session_shuffle)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def _kept(reqs: Any, sent: list[Any]) -> Any:

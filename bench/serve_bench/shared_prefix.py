@@ -12,6 +12,13 @@ group's prefix followed by a unique suffix of S tokens, and asks for O output to
   assistant's answer, then the new suffix, so a session's history grows by S + O tokens a
   turn. The plan goes round by round (every session's turn 1, then every turn 2, ...), so a
   session's next turn is usually sent after its last one finished.
+* ``shuffle_span`` > 1 shuffles each pass over the sessions within spans of that many places
+  (a session keeps its span, so its next turn still comes at least ``sessions - shuffle_span
+  + 1`` requests after its last: keep that above the concurrency). Without it every pass has
+  the same order: at a concurrency that divides the sessions evenly, requests finishing about
+  in the order they started hand each session's next turn the place its last turn had, and
+  power of two choices alternating over two replicas keeps every session on one replica by
+  accident. Independent users' sessions have no such lockstep (bench/RESULTS.md 38c).
 * ``sessions`` (default: one per group) is how many sessions a round holds: many
   conversations over a few system prompts (``--sessions 64 --prefix-groups 8``). ``skew`` > 0
   makes a tenant's groups unequally popular: group rank r (0 first) is drawn with weight
@@ -48,13 +55,16 @@ class SharedPrefix:
     turns: int = 1
     sessions: int = 0  # sessions per round; 0: one per group
     skew: float = 0.0  # Zipf exponent of the groups' popularity within a tenant
+    shuffle_span: int = 0  # each later pass shuffled within spans of this many sessions; 0: off
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.prefix_len < 1 or self.suffix_len < 1 or self.turns < 1:
             raise ValueError("shared prefix: groups, prefix length, suffix length and turns "
                              "must be at least 1")
-        if self.sessions < 0 or self.skew < 0:
-            raise ValueError("shared prefix: sessions and skew must be at least 0")
+        if self.sessions < 0 or self.skew < 0 or self.shuffle_span < 0:
+            raise ValueError("shared prefix: sessions, skew and shuffle span must be at least 0")
+        if self.shuffle_span > (self.sessions or self.groups):
+            raise ValueError("shared prefix: the shuffle span is larger than a round's sessions")
         if self.output_len < 1:
             raise ValueError("shared prefix: output length must be at least 1")
 
@@ -83,6 +93,7 @@ def iter_shared_prefix(n: int | None, shape: SharedPrefix, tenants: list[Tenant]
                        burstiness: float = 1.0) -> Iterator[PlannedRequest]:
     """``n`` requests of the workload (None: without end), drawn as they are needed."""
     rng = random.Random(f"shared-{seed}")
+    order_rng = random.Random(f"order-{seed}")  # its own: no other draw's sequence moves
     arrivals = gamma_offsets(rate, burstiness, random.Random(f"{seed}-arrivals")) if rate else None
     owned = tenant_groups(shape, tenants)
     prefixes = {g: group_prefix(g, shape.prefix_len, vocab, seed) for g in range(shape.groups)}
@@ -106,6 +117,8 @@ def iter_shared_prefix(n: int | None, shape: SharedPrefix, tenants: list[Tenant]
                      rng.choices(owned[tenant.name], popularity[tenant.name])[0])
             sessions.append((tenant, group, []))
         for turn in range(shape.turns):
+            if turn and shape.shuffle_span > 1:
+                sessions = shuffled_in_spans(sessions, shape.shuffle_span, order_rng)
             for tenant, group, history in sessions:
                 i = next(index)
                 if n is not None and i >= n:
@@ -115,6 +128,17 @@ def iter_shared_prefix(n: int | None, shape: SharedPrefix, tenants: list[Tenant]
                 history.extend(user + answer())
                 yield PlannedRequest(i, prompt, shape.output_len, tenant,
                                      next(arrivals) if arrivals is not None else None)
+
+
+def shuffled_in_spans(items: list, span: int, rng: random.Random) -> list:
+    """``items`` shuffled within consecutive spans of ``span`` places (the last may be
+    shorter): an item moves at most ``span - 1`` places."""
+    out: list = []
+    for start in range(0, len(items), span):
+        part = items[start:start + span]
+        rng.shuffle(part)
+        out.extend(part)
+    return out
 
 
 def shared_prefix_plan(n: int, shape: SharedPrefix, tenants: list[Tenant],

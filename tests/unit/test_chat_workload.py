@@ -48,3 +48,39 @@ def test_the_shared_workloads_ceiling_is_the_issues():
     plan = shared_prefix_plan(256, shape, TENANTS, VOCAB, seed=100)
     ceiling = cached_ceiling(plan, seen_before=warmup_requests(shape, TENANTS, VOCAB, 100))
     assert 0.93 < ceiling < 0.95
+
+
+def test_a_shuffled_pass_moves_sessions_within_their_span_and_keeps_their_histories():
+    """Each later pass over the sessions is shuffled within spans of 8 places: a session's next
+    turn still extends its own history, comes at least sessions - span + 1 requests after its
+    last, and the order differs from pass to pass (no lockstep that hands each session the
+    same place every turn)."""
+    shape = SharedPrefix(groups=4, prefix_len=16, suffix_len=4, output_len=2, turns=4,
+                         sessions=16, shuffle_span=8)
+    plan = shared_prefix_plan(64, shape, TENANTS, VOCAB, seed=3)
+    latest: dict[int, tuple[list[int], int]] = {}  # session -> (its latest prompt, place)
+    orders: list[list[int]] = []
+    for place, req in enumerate(plan):
+        if place < 16:
+            session = place
+        else:
+            (session,) = [s for s, (ids, _) in latest.items()
+                          if req.prompt_token_ids[:len(ids)] == ids]  # its own history only
+            assert place - latest[session][1] >= 16 - 8 + 1
+        if place % 16 == 0:
+            orders.append([])
+        orders[-1].append(session)
+        latest[session] = (req.prompt_token_ids, place)
+    assert all(sorted(o) == list(range(16)) for o in orders)  # every session once a pass
+    assert all(set(o[:8]) == set(range(8)) for o in orders)  # each keeps its span
+    assert len({tuple(o) for o in orders}) == 4  # no two passes in the same order
+
+
+def test_an_unshuffled_plan_is_unchanged_by_the_option_regression_lockstep():
+    """Span 0 (and 1) keep every pass in the first pass's order, as the 38b runs had it."""
+    base = SharedPrefix(groups=4, prefix_len=16, suffix_len=4, output_len=2, turns=3,
+                        sessions=8)
+    for span in (0, 1):
+        shape = SharedPrefix(4, 16, 4, 2, 3, 8, shuffle_span=span)
+        assert shared_prefix_plan(24, shape, TENANTS, VOCAB, 5) == \
+            shared_prefix_plan(24, base, TENANTS, VOCAB, 5)
