@@ -89,13 +89,14 @@ class UnsentChoices:
     """The replicas this router chose for requests that Serve has not routed yet.
 
     Serve counts a request in a replica's queue length when it sends it, and learns the real
-    figure from the replica's answer. Decisions taken together (a burst: each awaits the same
-    probe, or each is taken before the previous one's request is sent) all read the same
-    loads, so a load bound let the whole burst through to one replica (12 of 12 in the
-    prefix-affinity spill test). The router adds these counts to the loads it gives the
-    policy. A request's choice ends when Serve routes it (``on_request_routed``; until then it
-    may count twice, once here and once in Serve's cache: a replica looks busier for one round
-    trip, never idler), when the request is routed again (its new choice replaces it), or after
+    figure from the replica's answer; the policy is told of a request (``routed``) when the
+    router chooses. Decisions taken together (a burst: each awaits the same probe, or each is
+    taken before the previous one's request is sent) all read the same loads otherwise, so a
+    load bound let the whole burst through to one replica (12 of 12 in the prefix-affinity
+    spill test). The router adds these counts to Serve's loads it gives the policy. A
+    request's choice ends when Serve routes it (``on_request_routed``; until then it may count
+    twice, once here and once in Serve's cache: a replica looks busier for one round trip,
+    never idler), when the request is routed again (its new choice replaces it), or after
     ``UNSENT_TTL_S`` (a request cancelled before it was sent)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -104,11 +105,20 @@ class UnsentChoices:
         # id cannot be reused while the entry lives)
         self._chosen: dict[int, tuple[str, float, object]] = {}
 
-    def chose(self, pending_request: object, replica_id: str) -> None:
+    def chose(self, pending_request: object, replica_id: str) -> bool:
+        """Record the choice; whether it is new (not this request's standing choice)."""
+        standing = self._chosen.get(id(pending_request))
         self._chosen[id(pending_request)] = (replica_id, self._clock(), pending_request)
+        return standing is None or standing[0] != replica_id or standing[2] is not pending_request
 
-    def routed(self, pending_request: object) -> None:
-        self._chosen.pop(id(pending_request), None)
+    def forget(self, pending_request: object) -> tuple[str, float, object] | None:
+        """End the request's choice (Serve routed it); the choice it had, if any."""
+        standing = self._chosen.pop(id(pending_request), None)
+        return standing if standing is None or standing[2] is pending_request else None
+
+    def restore(self, pending_request: object, standing: tuple[str, float, object]) -> None:
+        """Put back a choice :meth:`forget` returned (it was set aside for a re-choice)."""
+        self._chosen[id(pending_request)] = standing
 
     def counts(self) -> dict[str, int]:
         """Replica id -> choices still unsent (stale ones dropped)."""
@@ -161,12 +171,15 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         loads: dict[str, int | None] = {}
         if key is not None and policy.needs_load(key):
             loads = await self._loads(candidate_replicas)
-            # Read after the await: the choices taken while it waited count.
-            if pending_request is not None:
-                self._unsent().routed(pending_request)  # a retry: its earlier choice is void
-            for rid, n in self._unsent().counts().items():
+            # Read after the await: the choices taken while it waited count; a retry's own
+            # earlier choice does not.
+            unsent = self._unsent()
+            own = unsent.forget(pending_request) if pending_request is not None else None
+            for rid, n in unsent.counts().items():
                 if loads.get(rid) is not None:
                     loads[rid] = loads[rid] + n  # type: ignore[operator]
+            if own is not None:
+                unsent.restore(pending_request, own)
         choice = policy.choose(key, [Candidate(r.replica_id.unique_id,
                                                loads.get(r.replica_id.unique_id))
                                      for r in candidate_replicas])
@@ -179,8 +192,9 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 self, candidate_replicas, pending_request)  # type: ignore[arg-type]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if pending_request is not None:
-            if loads and choice.ranked[0] in by_id:
-                self._unsent().chose(pending_request, choice.ranked[0])
+            if choice.ranked[0] in by_id and self._unsent().chose(pending_request,
+                                                                  choice.ranked[0]):
+                self._tell_policy(choice.ranked[0])  # once per request and replica
             # Every candidate is in the ranks: when all refuse, Serve must back off before
             # asking again (without it, it asks again at once, in a busy loop).
             request_backoff(pending_request)
@@ -188,13 +202,15 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any,
                           result: Any) -> None:
-        """Serve's hook once a call was sent to ``replica_id``: requests (not pinned calls)
-        are told to the policy, which may count them in the replica's load."""
+        """Serve's hook once a call was sent to ``replica_id``: Serve's cache counts it now,
+        so the router's own count of the request ends (the policy was told at the choice)."""
         if pinned_target(pending_request) is not None:
             return
-        self._unsent().routed(pending_request)
+        self._unsent().forget(pending_request)
+
+    def _tell_policy(self, replica_id: str) -> None:
         try:
-            self._policy().routed(replica_id.unique_id)
+            self._policy().routed(replica_id)
         except Exception:  # bookkeeping must never fail a request
             logger.debug("routing policy's routed() failed", exc_info=True)
 

@@ -76,5 +76,7 @@ class RoutingPolicy(Protocol):
         """Where the request with ``key`` goes among ``candidates`` (never empty)."""
 
     def routed(self, replica_id: str) -> None:
-        """A request was sent to ``replica_id`` (Serve's ``on_request_routed``; not for calls
-        that name their replica). Must return at once and never raise."""
+        """The router chose ``replica_id`` for a request: told once per request and replica,
+        as the router decides, before Serve sends it, so the next decision counts it (a burst
+        decided before any is sent must not all read the same loads); not for calls that name
+        their replica. Must return at once and never raise."""

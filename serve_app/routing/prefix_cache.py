@@ -28,14 +28,14 @@ SGLang's cache-aware router keeps cache affinity only while the load is balanced
   conversation's next turn stays where its history is while the history outweighs the load
   (``affinity``), else goes elsewhere (``load_fallback``).
 
-Loads are what the replicas report on the engine feed (requests they serve, ``in_engine``),
-plus the requests this router sent each since (:meth:`PrefixIndex.load`): the same figures on
-every router, fresh within a poll. Serve's queue lengths, which ``prefix_affinity`` reads, are
-each router's own cache (refreshed by its own traffic, or after 10 s): on the CPU test a
-router that had sent nothing to a busy replica saw it idle and sent a session there. A replica
-the feed has not reported yet takes Serve's figure, else counts as the least-loaded. A request
-without any whole block and without a session key has no key: Serve's power of two spreads it
-(``cold``).
+Loads are what the replicas report on the engine feed (requests they serve, ``in_engine``), plus the
+requests this router has chosen each for since (:meth:`PrefixIndex.load`), counted as it chooses (a
+burst of new sessions decided before Serve sent any went to one replica): the same figures on every
+router, fresh within a poll. Serve's queue lengths, which ``prefix_affinity`` reads, are each
+router's own cache (refreshed by its own traffic, or after 10 s): on the CPU test a router that had
+sent nothing to a busy replica saw it idle and sent a session there. A replica the feed has not
+reported yet takes Serve's figure, else counts as the least-loaded. A request without any whole
+block and without a session key has no key: Serve's power of two spreads it (``cold``).
 """
 
 from __future__ import annotations

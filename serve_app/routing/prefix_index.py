@@ -35,7 +35,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._replicas: dict[str, _Held] = {}
         # Each replica's requests as the last view reported them (EngineLoad.in_engine), and
-        # the requests this router sent it since (:meth:`routed`).
+        # the requests this router chose it for since (:meth:`routed`).
         self._loads: dict[str, int] = {}
         self._sent: dict[str, int] = {}
         # The LoRA adapters each replica reported loaded in the last view (EngineLoad.adapters).
@@ -70,14 +70,14 @@ class PrefixIndex:
         self._sent = {}
 
     def routed(self, replica: str) -> None:
-        """This router sent a request to ``replica`` (counted in its load until the next
-        view, which counts it itself)."""
+        """This router chose ``replica`` for a request (counted in its load until the next
+        view, which counts it itself once it arrives)."""
         self._sent[replica] = self._sent.get(replica, 0) + 1
 
     def load(self, replica: str) -> int | None:
-        """``replica``'s requests: as the last view reported them, plus those this router sent
-        it since; None when it is not in the view. The same figure on every router but for
-        their own latest requests (the replicas report it, not each router's own count)."""
+        """``replica``'s requests: as the last view reported them, plus those this router has
+        chosen it for since; None when it is not in the view. The same figure on every router
+        but for their own latest requests (the replicas report it, not each router's own count)."""
         base = self._loads.get(replica)
         return None if base is None else base + self._sent.get(replica, 0)
 

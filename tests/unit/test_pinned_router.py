@@ -189,7 +189,7 @@ def _first_picks(router: PinnedOrPolicyRouter, pendings: list) -> list[str]:
     return [chosen[0][0].replica_id.unique_id for chosen in asyncio.run(run())]
 
 
-def test_a_burst_decided_together_is_bounded_like_one_decided_in_turn_regression_all_twelve_on_one_replica():
+def test_a_burst_is_bounded_like_one_decided_in_turn_regression_twelve_on_one_replica():
     """Concurrent decisions all read the loads before any of their requests is sent (here: each
     awaits the same probe, Serve's cache having forgotten both replicas), so each saw the same
     loads and the whole burst went to the key's replica (the prefix-affinity spill test: 12 of

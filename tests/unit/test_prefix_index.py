@@ -348,10 +348,11 @@ def test_the_replica_predicts_its_cached_prefix_and_counts_the_error():
                              "over_tokens": 4.0}
 
 
-def test_the_request_router_uses_the_models_index_and_counts_what_it_sent():
+def test_the_request_router_uses_the_models_index_and_counts_what_it_chose():
     """Through Serve's request router: prefix_cache reads the index of the router's model (the
-    one its engine feed writes), writes the hashes into the request, and Serve's
-    on_request_routed counts each request in its replica's load until the next view."""
+    one its engine feed writes), writes the hashes into the request, and the router counts
+    each request in its replica's load when it chooses, once (a retry of the same request
+    and Serve's on_request_routed add nothing), until the next view."""
     import asyncio
     from types import SimpleNamespace
 
@@ -372,7 +373,39 @@ def test_the_request_router_uses_the_models_index_and_counts_what_it_sent():
     ranked = asyncio.run(router.choose_replicas(replicas, pending))
     assert [r[0].replica_id.unique_id for r in ranked] == ["b", "a"]
     assert request.prefix_hashes == HASHER.of(request).blocks
+    assert (index.load("b"), index.load("a")) == (1, 0)
+    asyncio.run(router.choose_replicas(replicas, pending))  # Serve asks again (a backoff)
     router.on_request_routed(pending, replicas[1].replica_id, None)
     router.on_request_routed(SimpleNamespace(args=[], kwargs={TARGET_KWARG: "a"}),
                              replicas[0].replica_id, None)  # a pinned call: not a request
     assert (index.load("b"), index.load("a")) == (1, 0)
+
+
+def test_requests_chosen_before_any_is_routed_see_each_other_regression_a_burst_on_one_replica():
+    """New sessions on a system prompt both replicas cache tie on the match, so the load
+    decides. Decisions taken before Serve has routed the earlier ones (a burst: Serve's
+    on_request_routed comes a round trip later) saw the same loads and all went to the
+    replica the tie-break names; each choice counts at once, so the burst alternates."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serve_app.routing.pinned import PinnedOrPolicyRouter
+    from serve_app.routing.prefix_index import index_for
+
+    router = PinnedOrPolicyRouter.__new__(PinnedOrPolicyRouter)
+    router.initialize_state(policy="prefix_cache", model="unit-burst", block_tokens=4,
+                            chars_per_token=2)
+    router.decisions = SimpleNamespace(record=lambda reason: None)
+    index, records = index_for("unit-burst"), {"a": ServedBlocks(100), "b": ServedBlocks(100)}
+    system = "a system prompt every replica has cached "
+    for record in records.values():
+        record.record(HASHER.of(_req(prompt=system)).blocks)
+    _feed(index, records)
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in "ab"]
+    chosen = []
+    for i in range(6):  # none routed yet
+        pending = SimpleNamespace(args=[_req(prompt=f"{system}question {i}")], kwargs={},
+                                  routing_context=SimpleNamespace(should_backoff=False))
+        ranked = asyncio.run(router.choose_replicas(replicas, pending))
+        chosen.append(ranked[0][0].replica_id.unique_id)
+    assert sorted(chosen) == ["a", "a", "a", "b", "b", "b"], chosen
