@@ -106,10 +106,17 @@ class UnsentChoices:
         self._chosen: dict[int, tuple[str, float, object]] = {}
 
     def chose(self, pending_request: object, replica_id: str) -> bool:
-        """Record the choice; whether it is new (not this request's standing choice)."""
+        """Record the choice; whether it is new (not this request's standing choice). Stale
+        choices go here too: a policy that reads no loads never asks for the counts."""
+        self._drop_stale()
         standing = self._chosen.get(id(pending_request))
         self._chosen[id(pending_request)] = (replica_id, self._clock(), pending_request)
         return standing is None or standing[0] != replica_id or standing[2] is not pending_request
+
+    def _drop_stale(self) -> None:
+        oldest = self._clock() - UNSENT_TTL_S
+        for stale in [k for k, (_, at, _) in self._chosen.items() if at < oldest]:
+            del self._chosen[stale]
 
     def forget(self, pending_request: object) -> tuple[str, float, object] | None:
         """End the request's choice (Serve routed it); the choice it had, if any."""
@@ -122,9 +129,7 @@ class UnsentChoices:
 
     def counts(self) -> dict[str, int]:
         """Replica id -> choices still unsent (stale ones dropped)."""
-        oldest = self._clock() - UNSENT_TTL_S
-        for stale in [k for k, (_, at, _) in self._chosen.items() if at < oldest]:
-            del self._chosen[stale]
+        self._drop_stale()
         counts: dict[str, int] = {}
         for replica_id, _, _ in self._chosen.values():
             counts[replica_id] = counts.get(replica_id, 0) + 1

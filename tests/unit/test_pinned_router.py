@@ -230,3 +230,15 @@ def test_a_routed_request_no_longer_counts_as_chosen_nor_does_a_stale_choice():
     assert router.unsent.counts() == {home: 1}
     now[0] += pinned.UNSENT_TTL_S + 0.01
     assert router.unsent.counts() == {}
+
+
+def test_a_choice_never_routed_is_dropped_under_a_policy_that_reads_no_loads_regression_leak():
+    """prefix_cache never asks for the counts (it reads the feed's loads), so the stale
+    choices of requests cancelled before Serve sent them must go as new choices come, or
+    each would hold its request (prompt and all) for the router's lifetime."""
+    now = [0.0]
+    unsent = pinned.UnsentChoices(clock=lambda: now[0])
+    for i in range(100):
+        unsent.chose(SimpleNamespace(i=i), "a")  # never routed
+        now[0] += 0.1
+    assert len(unsent._chosen) <= pinned.UNSENT_TTL_S / 0.1 + 1
