@@ -109,14 +109,20 @@ class UnsentChoices:
         """Record the choice; whether it is new (not this request's standing choice). Stale
         choices go here too: a policy that reads no loads never asks for the counts."""
         self._drop_stale()
-        standing = self._chosen.get(id(pending_request))
+        standing = self._chosen.pop(id(pending_request), None)  # re-inserted: oldest first
         self._chosen[id(pending_request)] = (replica_id, self._clock(), pending_request)
         return standing is None or standing[0] != replica_id or standing[2] is not pending_request
 
     def _drop_stale(self) -> None:
+        # Entries are in the order chosen, so this reads the stale ones and one more: a
+        # saturated model's requests, waiting in Serve's queue and chosen again at each of
+        # its retries, cost no scan of all the others.
         oldest = self._clock() - UNSENT_TTL_S
-        for stale in [k for k, (_, at, _) in self._chosen.items() if at < oldest]:
-            del self._chosen[stale]
+        while self._chosen:
+            key = next(iter(self._chosen))
+            if self._chosen[key][1] >= oldest:
+                break
+            del self._chosen[key]
 
     def forget(self, pending_request: object) -> tuple[str, float, object] | None:
         """End the request's choice (Serve routed it); the choice it had, if any."""
@@ -130,9 +136,11 @@ class UnsentChoices:
     def counts(self) -> dict[str, int]:
         """Replica id -> choices still unsent (stale ones dropped)."""
         self._drop_stale()
+        oldest = self._clock() - UNSENT_TTL_S  # a restored choice may sit behind fresh ones
         counts: dict[str, int] = {}
-        for replica_id, _, _ in self._chosen.values():
-            counts[replica_id] = counts.get(replica_id, 0) + 1
+        for replica_id, at, _ in self._chosen.values():
+            if at >= oldest:
+                counts[replica_id] = counts.get(replica_id, 0) + 1
         return counts
 
 
