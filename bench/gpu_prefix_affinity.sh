@@ -16,10 +16,10 @@
 #   history the same with short system prompts and long turns (256-token prompts, 512-token
 #           user turns, 256-token answers)
 #           SESSION_SHUFFLE=SPAN (chat, history): each later pass over the sessions shuffled within
-#           spans of SPAN places (serve-app bench --session-shuffle; 32 with 64 sessions at c=32
-#           keeps every next turn 33 requests or more after its last). 0 (the default, as 38b
-#           ran): every pass in one order, a lockstep that lets power of two keep sessions on
-#           one replica by accident (RESULTS 38c)
+#           spans of SPAN places (serve-app bench --session-shuffle). Default SESSIONS - CONC (32):
+#           every next turn still comes CONC + 1 requests or more after its last. 0 (as 38b ran):
+#           every pass in one order, a lockstep that lets power of two keep sessions on one
+#           replica by accident (RESULTS 38c)
 # Each arm's row carries the workload's ceiling: the share of its prompt tokens a perfect router
 # (unbounded caches) could find cached (serve_bench.shared_prefix.cached_ceiling), and under
 # prefix_cache the error of the replicas' LRU records (predicted cached share against vLLM's).
@@ -51,6 +51,7 @@ rm -rf "$DIR"; mkdir -p "$DIR"
 T0=$(date +%s)
 GROUPS_N=${PREFIX_GROUPS:-64}; PREFIX=${PREFIX:-4096}; SUFFIX=${SUFFIX:-256}; OUTPUT=${OUTPUT:-128}
 CONC=${CONC:-32}; NUM=${NUM:-256}; PORT=${PORT:-8000}
+SHUFFLE=${SESSION_SHUFFLE:-$(( ${SESSIONS:-64} > CONC ? ${SESSIONS:-64} - CONC : 0 ))}
 ensure_model "$CONFIG"
 MODEL=$($PY -c "from serve_app.config import load_config as l; print(l('$CONFIG').models[0].name)")
 KEYS=()
@@ -109,7 +110,7 @@ bench_args() {  # workload seed: the serve-app bench arguments of one arm
   local shape="--prefix-groups $GROUPS_N --prefix-len $PREFIX --input-len $SUFFIX"
   [ "$1" = random ] && shape="--input-len $((PREFIX + SUFFIX)) --warmup $CONC"
   local sessions="--turns ${TURNS:-6} --sessions ${SESSIONS:-64} --prefix-skew ${SKEW:-1.0} \
---session-shuffle ${SESSION_SHUFFLE:-0}"
+--session-shuffle $SHUFFLE"
   [ "$1" = chat ] && shape="--prefix-groups $CHAT_GROUPS --prefix-len ${CHAT_PREFIX:-1024} \
 --input-len ${CHAT_SUFFIX:-256} $sessions"
   [ "$1" = history ] && shape="--prefix-groups $CHAT_GROUPS --prefix-len 256 --input-len 512 \
@@ -165,7 +166,7 @@ grep -h "KV cache size" /tmp/ray/session_latest/logs/*.err /tmp/ray/session_late
 {
   echo "### ${POLICIES:-power_of_two prefix_affinity} ($MODEL, two replicas on one device)"
   echo
-  echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each${KV_BYTES:+, KV cache $KV_BYTES bytes each}; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%; chat: $CHAT_GROUPS system prompts x ${CHAT_PREFIX:-1024} tokens (skew ${SKEW:-1.0}), ${SESSIONS:-64} sessions x ${TURNS:-6} turns of ${CHAT_SUFFIX:-256} + $OUTPUT tokens, ${NUM_CHAT:-384} requests${SESSION_SHUFFLE:+, passes shuffled in spans of $SESSION_SHUFFLE}; history: the same with 256-token system prompts, 512-token turns, 256-token answers."
+  echo "$(basename "$CONFIG"), engines at ${UTIL:-0.3} of the GPU memory each${KV_BYTES:+, KV cache $KV_BYTES bytes each}; shared: $GROUPS_N groups x $PREFIX tokens over 4 tenants, suffix $SUFFIX, output $OUTPUT, c=$CONC, $NUM requests after one warm-up request per group; random: $((PREFIX + SUFFIX))-token random prompts; hot: shared with one tenant at 70%; chat: $CHAT_GROUPS system prompts x ${CHAT_PREFIX:-1024} tokens (skew ${SKEW:-1.0}), ${SESSIONS:-64} sessions x ${TURNS:-6} turns of ${CHAT_SUFFIX:-256} + $OUTPUT tokens, ${NUM_CHAT:-384} requests, passes shuffled in spans of $SHUFFLE (0: none); history: the same with 256-token system prompts, 512-token turns, 256-token answers."
   echo
   $PY bench/prefix_affinity_report.py table "$DIR"
   echo; echo "Engines' KV caches:"; sed 's/^/    /' "$DIR/kv-cache.txt"
