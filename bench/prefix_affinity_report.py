@@ -204,8 +204,8 @@ def load_balance(lines: list[str]) -> tuple[dict[str, float], float]:
 def table(root: Path) -> str:
     rows = ["| workload | policy | TTFT p50 (ms) | TTFT p99 (ms) | out tok/s | hit rate "
             "(all) | ceiling | record predicted / cached, mean abs error | hit rate per "
-            "replica | requests per replica | mean running per replica (max/min) | routing decisions "
-            "| failed |",
+            "replica | requests per replica | mean running per replica (max/min) | routing "
+            "decisions | failed |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by_workload: dict[str, dict[str, dict[str, float]]] = {}
     for arm in sorted(p for p in root.iterdir() if (p / "results.json").exists()):
