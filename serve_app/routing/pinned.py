@@ -111,7 +111,7 @@ class UnsentChoices:
         self._drop_stale()
         standing = self._chosen.pop(id(pending_request), None)  # re-inserted: oldest first
         self._chosen[id(pending_request)] = (replica_id, self._clock(), pending_request)
-        return standing is None or standing[0] != replica_id or standing[2] is not pending_request
+        return standing is None or standing[0] != replica_id
 
     def _drop_stale(self) -> None:
         # Entries are in the order chosen, so this reads the stale ones and one more: a
@@ -124,22 +124,18 @@ class UnsentChoices:
                 break
             del self._chosen[key]
 
-    def forget(self, pending_request: object) -> tuple[str, float, object] | None:
-        """End the request's choice (Serve routed it); the choice it had, if any."""
-        standing = self._chosen.pop(id(pending_request), None)
-        return standing if standing is None or standing[2] is pending_request else None
+    def forget(self, pending_request: object) -> None:
+        """End the request's choice (Serve routed it)."""
+        self._chosen.pop(id(pending_request), None)
 
-    def restore(self, pending_request: object, standing: tuple[str, float, object]) -> None:
-        """Put back a choice :meth:`forget` returned (it was set aside for a re-choice)."""
-        self._chosen[id(pending_request)] = standing
-
-    def counts(self) -> dict[str, int]:
-        """Replica id -> choices still unsent (stale ones dropped)."""
+    def counts(self, but: object | None = None) -> dict[str, int]:
+        """Replica id -> choices still unsent (stale ones dropped), leaving out request
+        ``but``'s own (a retry's earlier choice is not load it joins)."""
         self._drop_stale()
-        oldest = self._clock() - UNSENT_TTL_S  # a restored choice may sit behind fresh ones
+        skip = id(but) if but is not None else None
         counts: dict[str, int] = {}
-        for replica_id, at, _ in self._chosen.values():
-            if at >= oldest:
+        for key, (replica_id, _, _) in self._chosen.items():
+            if key != skip:
                 counts[replica_id] = counts.get(replica_id, 0) + 1
         return counts
 
@@ -186,13 +182,9 @@ class PinnedOrPolicyRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             loads = await self._loads(candidate_replicas)
             # Read after the await: the choices taken while it waited count; a retry's own
             # earlier choice does not.
-            unsent = self._unsent()
-            own = unsent.forget(pending_request) if pending_request is not None else None
-            for rid, n in unsent.counts().items():
+            for rid, n in self._unsent().counts(but=pending_request).items():
                 if loads.get(rid) is not None:
                     loads[rid] = loads[rid] + n  # type: ignore[operator]
-            if own is not None:
-                unsent.restore(pending_request, own)
         choice = policy.choose(key, [Candidate(r.replica_id.unique_id,
                                                loads.get(r.replica_id.unique_id))
                                      for r in candidate_replicas])
