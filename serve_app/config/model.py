@@ -127,7 +127,7 @@ class ModelSettings(_Strict):
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     routing: RoutingSettings = Field(
         default_factory=RoutingSettings, description="How the routers choose the engine "
-        "replica of each request: `policy` (power_of_two, the default | prefix_cache | "
+        "replica of each request: `policy` (prefix_cache, the default | power_of_two | "
         "prefix_affinity), its knobs, and where LoRA adapters' requests go.")
     lora: LoraSettings | None = Field(
         None, description="LoRA in this model's engines (vLLM's enable_lora and its limits); "

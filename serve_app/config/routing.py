@@ -13,31 +13,32 @@ from serve_app.config.base import _Strict
 class RoutingSettings(_Strict):
     """Replica choice for one model's requests (docs/routing.md).
 
-    ``power_of_two`` (the default) is Ray Serve's own choice for every request that names no
-    LoRA adapter: two random replicas, the one with fewer requests wins. ``prefix_cache`` sends
-    a request to the replica holding the longest cached prefix of its prompt (an index of what
-    each replica served, the same on every router), weighed against load within a bound: it
-    follows multi-turn conversations (:mod:`serve_app.routing.prefix_cache`).
-    ``prefix_affinity`` sends requests that share a tenant and their leading prompt blocks to
-    one replica, within the same bound. Whatever the policy, a LoRA adapter's requests go to
-    the replicas that hold it (``adapter_replicas``).
+    ``prefix_cache`` (the default) sends a request to the replica holding the longest cached
+    prefix of its prompt (an index of what each replica served, the same on every router),
+    weighed against load within a bound: it follows multi-turn conversations
+    (:mod:`serve_app.routing.prefix_cache`). ``power_of_two`` is Ray Serve's own choice for
+    every request that names no LoRA adapter: two random replicas, the one with fewer requests
+    wins. ``prefix_affinity`` sends requests that share a tenant and their leading prompt
+    blocks to one replica, within the same bound. Whatever the policy, a LoRA adapter's
+    requests go to the replicas that hold it (``adapter_replicas``).
 
-    The default follows the measurements (bench/RESULTS.md): on multi-turn chat, two replicas on
-    one H100, ``prefix_cache`` gave 0.94-1.05x power of two's output (0.99x over three calls;
-    TTFT p50 0.43-0.94x) and ``prefix_affinity`` 0.91-0.92x (H200), so neither is the default;
-    on single-shot prompts that share long prefixes ``prefix_affinity`` gave TTFT p50 0.31x and
-    1.28x output (31b): choose a prefix policy for such traffic.
+    The default follows the measurements (bench/RESULTS.md 38d, two replicas on one H100):
+    against power of two, ``prefix_cache`` gave 1.03x and 1.01x the output on multi-turn chat
+    (TTFT p50 0.75x, 0.89x), 1.04x on history-heavy sessions (TTFT 0.61x), 1.11x with one hot
+    tenant, 0.98x on random prompts (nothing to find). ``prefix_affinity`` lost on chat
+    (0.91-0.92x, issue 38); on single-shot prompts sharing long prefixes it gave TTFT p50 0.31x
+    and 1.28x output (31b).
     """
 
     policy: Literal["power_of_two", "prefix_affinity", "prefix_cache"] = Field(
-        "power_of_two", description="`power_of_two` (default): Serve's choice for every "
-        "request that names no adapter, keys unused; it costs a request nothing, and on "
-        "multi-turn chat neither prefix policy beat its throughput (prefix_cache 0.99x, "
-        "prefix_affinity 0.91-0.92x). "
-        "`prefix_cache`: the replica holding the longest cached prefix of the prompt (an "
-        "index of the block hashes each replica served, carried to every router on the "
-        "engine feed), weighed against load, within a load bound; follows conversations, "
-        "lower TTFT where prompts share long prefixes. `prefix_affinity`: rendezvous hashing "
+        "prefix_cache", description="`prefix_cache` (default): the replica holding the "
+        "longest cached prefix of the prompt (an index of the block hashes each replica "
+        "served, carried to every router on the engine feed), weighed against load, within a "
+        "load bound; follows conversations; against power_of_two 1.01-1.03x output and TTFT "
+        "p50 0.61-0.91x where prompts share prefixes, 0.98x on random prompts. "
+        "`power_of_two`: Serve's choice for every request that names no adapter, keys unused; "
+        "it costs a request nothing: for traffic that shares no prefix. "
+        "`prefix_affinity`: rendezvous hashing "
         "of (tenant cache salt, leading prompt blocks) over the replicas, within the same "
         "bound; every router computes the same choice with no shared state; for single-shot "
         "prompts that share a long leading prefix (system prompt, few-shot block).")

@@ -1,4 +1,4 @@
-"""The ``power_of_two`` routing policy, the default: Serve's own choice (two random candidates,
+"""The ``power_of_two`` routing policy: Serve's own choice (two random candidates,
 the shorter queue wins) for every request it is asked about. Keys are not computed: it costs
 the request nothing. A LoRA adapter's requests are placed before it is asked
 (:mod:`serve_app.routing.adapter_placement` wraps every policy unless

@@ -6,8 +6,8 @@ first again.
 
 Three replicas of the scripted engine (vLLM's batch and the adapters' LRU, no model: an adapter
 loads at once and each replica reports what it holds, as the vLLM engine does), the suite's
-router configuration and tenants, one adapter open to every tenant, the default routing policy
-(`power_of_two`: placement wraps it, and nothing else keys an adapter's requests). Which replica
+router configuration and tenants, one adapter open to every tenant, routing policy
+`power_of_two` (placement wraps it, and nothing else keys an adapter's requests). Which replica
 served what is read from the router's own view (``admission_state``: each replica's
 ``requests_total`` and ``adapters``, as the engine feed reports them), waited on, never timed.
 """
@@ -47,8 +47,9 @@ def app(stack):
         autoscaling=AutoscalingSettings(min_replicas=REPLICAS, max_replicas=REPLICAS),
         lora=LoraSettings(max_loras=1, max_lora_rank=8),
         adapters=[AdapterSettings(name=ADAPTER, path="org/tune-a", owners=["public"])],
-        # The default policy (power_of_two for the base model's requests) and placement.
-        routing=RoutingSettings(imbalance_margin=MARGIN),
+        # power_of_two for the base model's requests (no prefix index to confound which
+        # replica an adapter's requests find) and placement, which wraps every policy.
+        routing=RoutingSettings(policy="power_of_two", imbalance_margin=MARGIN),
         engine_kwargs={"max_num_seqs": BATCH, "scripted_step_s": 0.02})
     serve.run(build_app(stack["config"].model_copy(update={"models": [model]}),
                         SCRIPTED_ENGINE_CLASS), name=APP, route_prefix=PREFIX, blocking=False)
