@@ -34,7 +34,8 @@ burst of new sessions decided before Serve sent any went to one replica): the sa
 router, fresh within a poll. Serve's queue lengths, which ``prefix_affinity`` reads, are each
 router's own cache (refreshed by its own traffic, or after 10 s): on the CPU test a router that had
 sent nothing to a busy replica saw it idle and sent a session there. A replica the feed has not
-reported yet takes Serve's figure, else counts as the least-loaded. A request without any whole
+reported yet (just started: nothing cached) counts as the least-loaded; the policy asks for
+no Serve figures (``needs_load`` is False). A request without any whole
 block and without a session key has no key: Serve's power of two spreads it (``cold``).
 """
 
