@@ -29,8 +29,10 @@
 # finished requests per replica (vLLM's counters through Ray's metrics agents, read after the
 # warm-up and after the run), running requests per replica sampled every second.
 # usage: bench/gpu_prefix_affinity.sh [CONFIG]   (env: PYTHON, OUT, UTIL=0.3, POLICIES (default
-#   "power_of_two prefix_affinity"; issue 38: "power_of_two prefix_cache"), MAX_BLOCKS and
-#   REQUEST_COST_TOKENS (prefix_cache's knobs),
+#   "power_of_two prefix_affinity"; issue 38: "power_of_two prefix_cache"; an entry
+#   POLICY,KNOB=VALUE[,...] is that policy with routing knobs of its own, its arm labelled
+#   POLICY-KNOB-VALUE: "power_of_two prefix_cache prefix_cache,request_cost_tokens=16" A/Bs a
+#   knob in one call), MAX_BLOCKS and REQUEST_COST_TOKENS (prefix_cache's knobs, every arm),
 #   WORKLOADS, PREFIX_GROUPS=64 PREFIX=4096 SUFFIX=256 OUTPUT=128 CONC=32 NUM=256, MARGIN (routing.
 #   imbalance_margin), LOAD_FACTOR (routing.load_factor), PREFIX_BLOCKS, BLOCK_TOKENS (routing
 #   key), TOKEN_RANGE, GPUS=0,0, CPUS=8, KV_BYTES (each engine's KV cache in bytes: two engines that
@@ -58,9 +60,9 @@ KEYS=()
 for i in 0 1 2 3; do KEYS+=("$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")"); done
 
 # The deployment with two engine replicas at UTIL each (one per Ray node), the router on the head,
-# four tenants (throwaway keys) and the policy given; written as DIR/POLICY.yaml.
-config_for() {  # policy
-  $PY - "$CONFIG" "$1" "${UTIL:-0.3}" "${KEYS[@]}" > "$DIR/$1.yaml" <<'PY'
+# four tenants (throwaway keys) and the policy given; written as DIR/LABEL.yaml.
+config_for() {  # policy entry (POLICY[,KNOB=VALUE...]) and its label
+  $PY - "$CONFIG" "$1" "${UTIL:-0.3}" "${KEYS[@]}" > "$DIR/$2.yaml" <<'PY'
 import os, sys
 from pathlib import Path
 
@@ -69,7 +71,8 @@ import yaml
 from serve_app.config import load_config
 from serve_app.governance.keys import key_digest
 
-path, policy, util, *keys = sys.argv[1:]
+path, entry, util, *keys = sys.argv[1:]
+policy, *own = entry.split(",")
 cfg = yaml.safe_load(Path(path).read_text())
 model = cfg["models"][0]
 model["path"] = str(load_config(path).models[0].path)  # as it was resolved
@@ -88,6 +91,9 @@ if policy == "prefix_cache":
 for knob, env in knobs.items():
     if os.environ.get(env):
         routing[knob] = (float if knob == "load_factor" else int)(os.environ[env])
+for pair in own:  # this arm's own knobs (the label says which), over the env's
+    knob, _, value = pair.partition("=")
+    routing[knob] = yaml.safe_load(value)
 model["routing"] = routing
 cfg.setdefault("router", {}).update(host="127.0.0.1", resources={"head": 0.01})
 cfg["tenants"] = [{"name": f"t{i}", "api_key_sha256": [key_digest(k)]} for i, k in enumerate(keys)]
@@ -147,8 +153,9 @@ arm() {  # workload policy seed
 start_cluster "$DIR" "${GPUS-0,0}" "${CPUS:-8}" || exit 1
 require_free_port "$PORT" || exit 1
 SEED=100
-for policy in ${POLICIES:-power_of_two prefix_affinity}; do
-  config_for "$policy"
+for entry in ${POLICIES:-power_of_two prefix_affinity}; do
+  policy=$(echo "$entry" | tr ',=' '--')  # the arm's label
+  config_for "$entry" "$policy"
   # The first deploy starts the engines; a policy change then rolls the routers only.
   $PY -m serve_app.cli deploy --config "$DIR/$policy.yaml" --address "$ADDRESS" --port "$PORT" \
     > "$DIR/deploy-$policy.log" 2>&1 || { tail -n 20 "$DIR/deploy-$policy.log"; exit 1; }
