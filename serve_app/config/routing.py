@@ -34,8 +34,8 @@ class RoutingSettings(_Strict):
         "prefix_cache", description="`prefix_cache` (default): the replica holding the "
         "longest cached prefix of the prompt (an index of the block hashes each replica "
         "served, carried to every router on the engine feed), weighed against load, within a "
-        "load bound; follows conversations; against power_of_two 1.01-1.03x output and TTFT "
-        "p50 0.61-0.91x where prompts share prefixes, 0.98x on random prompts. "
+        "load bound; follows conversations; against power_of_two 1.01-1.04x output and TTFT "
+        "p50 0.53-0.91x where prompts share prefixes, 0.98x on random prompts. "
         "`power_of_two`: Serve's choice for every request that names no adapter, keys unused; "
         "it costs a request nothing: for traffic that shares no prefix. "
         "`prefix_affinity`: rendezvous hashing "
@@ -43,25 +43,29 @@ class RoutingSettings(_Strict):
         "bound; every router computes the same choice with no shared state; for single-shot "
         "prompts that share a long leading prefix (system prompt, few-shot block).")
     block_tokens: int = Field(
-        64, ge=1, description="prefix_affinity: tokens per key block. A prompt shorter than "
-        "one block has no key and is spread by power of two (reason `cold`).")
+        64, ge=1, description="prefix_affinity and prefix_cache: tokens per key block. A "
+        "prompt shorter than one block (and, for prefix_cache, without a session key) has no "
+        "key and is spread by power of two (reason `cold`).")
     prefix_blocks: int = Field(
         4, ge=1, description="prefix_affinity: leading blocks that make the key (default 4 x "
         "64 = 256 tokens). Keep block_tokens x prefix_blocks at or under the prefix your "
         "tenants' requests share (system prompt, few-shot block): a key that reaches into the "
         "unique part of each prompt spreads requests like random choice.")
     chars_per_token: int = Field(
-        4, ge=1, description="prefix_affinity: characters counted as one token when a text "
+        4, ge=1, description="prefix_affinity and prefix_cache: characters counted as one "
+        "token when a text "
         "prompt or chat messages are cut into blocks (the router has no tokenizer; only "
         "requests of equal leading text must agree).")
     imbalance_margin: int = Field(
-        4, ge=0, description="prefix_affinity: requests (Serve's queue length) a replica may "
-        "always hold above the least-loaded candidate and still take the key's requests; "
+        4, ge=0, description="prefix_affinity and prefix_cache: requests a replica may "
+        "always hold above the least-loaded candidate and still take the key's requests "
+        "(prefix_affinity counts Serve's queue lengths, prefix_cache the engine feed's); "
         "decides at small loads (see load_factor for large ones). Past both bounds the "
         "request goes to the first replica of the key's order within them (reason "
         "`load_fallback`).")
     load_factor: float = Field(
-        1.25, ge=1.0, description="prefix_affinity: a replica may take the key's request while, "
+        1.25, ge=1.0, description="prefix_affinity and prefix_cache: a replica may take the "
+        "key's request while, "
         "with it, it holds at most this many times the mean load of the replicas (consistent "
         "hashing with bounded loads; HAProxy's hash-balance-factor 125). Lower spreads a hot "
         "tenant sooner; higher keeps more prefixes on one replica, cached once.")
@@ -74,9 +78,10 @@ class RoutingSettings(_Strict):
         "load.")
     request_cost_tokens: int = Field(
         64, ge=0, description="prefix_cache: prefill tokens that one request more on a replica "
-        "(Serve's queue length) is worth: a replica's score is its cached prefix minus this "
-        "times its load above the least-loaded candidate's. Higher spreads by load sooner; 0 "
-        "follows the longest prefix up to the load bound.")
+        "(the requests it serves, as the engine feed reports them) is worth: a replica's score "
+        "is its cached prefix minus this times its load above the least-loaded candidate's. "
+        "Higher spreads by load sooner; 0 follows the longest prefix up to the load bound. On "
+        "multi-turn chat 16 and 256 did no better than 64 (bench/RESULTS.md 38e).")
     adapter_replicas: int = Field(
         2, ge=0, description="Every policy: the most replicas one LoRA adapter's requests go "
         "to (serve_app/routing/adapter_placement.py). An adapter's requests go to a replica "
