@@ -78,6 +78,18 @@ def prometheus(stack, tmp_path_factory):
         yield url
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start, as the session starts, what a selected test module runs beside the stack's start
+    (its ``start_early(config)``): vLLM's own reference run for the engine-parity test is an
+    engine start of ~40 s, which overlaps the stack's instead of following it."""
+    started: set[object] = set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and module not in started and hasattr(module, "start_early"):
+            started.add(module)
+            module.start_early(session.config)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     from serve_app.models import write_model

@@ -3,8 +3,10 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,16 +22,56 @@ REQUESTS = [
 ]
 
 
+# vLLM's own run, started as the session starts (start_early) so that its ~40 s engine start
+# overlaps the stack's; the reference fixture collects it.
+_EARLY: dict[str, tuple[subprocess.Popen, Path]] = {}
+
+
+def _start_reference(model_path: Path, out_dir: Path) -> tuple[subprocess.Popen, Path]:
+    """Start reference_generate.py on REQUESTS (no Ray, no HTTP); it writes
+    ``out_dir/outputs.json``, its logs go to ``out_dir/stderr.log``."""
+    spec = out_dir / "requests.json"
+    spec.write_text(json.dumps(REQUESTS))
+    with spec.open() as stdin, (out_dir / "stderr.log").open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("reference_generate.py")),
+             str(model_path), str(out_dir / "outputs.json")],
+            stdin=stdin, stdout=subprocess.DEVNULL, stderr=stderr,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return proc, out_dir
+
+
+def start_early(config: pytest.Config) -> None:
+    """Called by the integration conftest when the session starts with this module's tests
+    selected: vLLM's reference run begins while the stack starts, not after it."""
+    from serve_app.models import write_model
+
+    from .conftest import TINY
+
+    out_dir = Path(tempfile.mkdtemp(prefix="parity-reference-"))
+    proc, _ = _EARLY["run"] = _start_reference(write_model("tiny", TINY), out_dir)
+
+    def cleanup() -> None:  # a session that never reached the parity tests (-x, ^C)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+    config.add_cleanup(cleanup)
+
+
 @pytest.fixture(scope="module")
 def reference(stack, tmp_path_factory):
-    script = Path(__file__).with_name("reference_generate.py")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    out = tmp_path_factory.mktemp("reference") / "outputs.json"
-    proc = subprocess.run([sys.executable, str(script), str(stack["path"]), str(out)],
-                          input=json.dumps(REQUESTS), capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    """vLLM's own greedy output for REQUESTS on the stack's model."""
+    proc, out_dir = _EARLY.pop("run", None) or _start_reference(
+        stack["path"], tmp_path_factory.mktemp("reference"))
+    try:
+        rc = proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert rc == 0, (out_dir / "stderr.log").read_text()[-3000:]
+    return json.loads((out_dir / "outputs.json").read_text())
 
 
 def _ask(client, model, req, stream):

@@ -66,6 +66,8 @@ def test_removed_tenant_is_refused_within_seconds_without_restarts(stack):
     print(f"\nkey revoked after {revoked_after:.2f} s; {len(results)} streams ran through it")
 
 
+@pytest.mark.long  # an engine start (~40 s); make test keeps the scripted engines' roll under
+# a backlog (test_admission_under_change.py) and the routers' roll below
 def test_engine_argument_change_rolls_replicas_without_a_failed_request_or_cut_stream(stack):
     from ray import serve
 
