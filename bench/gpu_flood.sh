@@ -16,7 +16,10 @@
 #   gpu_compare.sh without a second engine start per arm,
 #   ENGINE="key=value ..." engine arguments set for both arms over the config's engine_kwargs,
 #   values read as YAML: e.g. ENGINE="async_scheduling=false max_num_batched_tokens=4096", the
-#   engine's levers on the quiet tenant's first token, RESULTS 42c),
+#   engine's levers on the quiet tenant's first token, RESULTS 42c; an ARMS entry
+#   ARM,KEY=VALUE[,...] is that arm with engine arguments of its own over ENGINE's, labelled
+#   ARM-KEY-VALUE: ENGINE="async_scheduling=false" ARMS="bare,async_scheduling=true bare stackpbp"
+#   puts vLLM's default beside the lever in one call),
 #   BUDGET_S (the call's time: the first arm runs a further load only while every later arm can
 #   still run as many in the time left, judged by the first arm's own start and loads and
 #   STOP_S=40 per server stop; the later arms run the loads it ran, and skip one that would end
@@ -32,8 +35,8 @@ PY=${PYTHON:-python3}
 DIR=${OUT:-bench/out}/flood
 mkdir -p "$DIR"
 FLOOD_C=${FLOOD_C:-768}
-if [ -n "${ENGINE:-}" ]; then  # both arms' engines get the same overrides (bare's flags follow)
-  $PY - "$CONFIG" $ENGINE > "$DIR/engine-config.yaml" <<'PY' || exit 1
+with_engine_args() {  # CONFIG KEY=VALUE...: the config with those engine_kwargs, on stdout
+  $PY - "$@" <<'PY'
 import sys
 from pathlib import Path
 
@@ -52,6 +55,9 @@ for pair in pairs:
     model.setdefault("engine_kwargs", {})[key] = yaml.safe_load(value)
 print(yaml.safe_dump(cfg, sort_keys=False))
 PY
+}
+if [ -n "${ENGINE:-}" ]; then  # every arm's engine gets the same overrides (bare's flags follow)
+  with_engine_args "$CONFIG" $ENGINE > "$DIR/engine-config.yaml" || exit 1
   CONFIG="$DIR/engine-config.yaml"
   echo "engine arguments over the config's: $ENGINE"
 fi
@@ -153,13 +159,20 @@ flood() {  # url arm key-args metrics-args lead arm-start: one flood per load, l
 
 LEAD=1
 declare -A RUNS  # an arm named again (ARMS="stack stackpbp stackpbp stack"): its files say stack-run2
-for arm in ${ARMS:-bare stack}; do
+for entry in ${ARMS:-bare stack}; do
   T0=$(date +%s)
-  RUNS[$arm]=$(( ${RUNS[$arm]:-0} + 1 ))
-  tag=$arm; [ "${RUNS[$arm]}" -gt 1 ] && tag="$arm-run${RUNS[$arm]}"
+  arm=${entry%%,*}  # bare, stack, stack2 or stackpbp; after a comma, this arm's engine arguments
+  RUNS[$entry]=$(( ${RUNS[$entry]:-0} + 1 ))
+  tag=$(tr ',=' '--' <<< "$entry"); [ "${RUNS[$entry]}" -gt 1 ] && tag="$tag-run${RUNS[$entry]}"
+  if [ "$arm" = bare ]; then ARM_CONFIG=$CONFIG; else ARM_CONFIG=$DIR/$arm-config.yaml; fi
+  if [ "$entry" != "$arm" ]; then
+    with_engine_args "$ARM_CONFIG" $(tr ',' ' ' <<< "${entry#*,}") > "$DIR/$tag-config.yaml" \
+      || exit 1
+    ARM_CONFIG=$DIR/$tag-config.yaml
+  fi
   if [ "$arm" = bare ]; then
-    BARE_CMD=$($PY -m serve_bench.arms "$CONFIG")
-    echo "== bare: $BARE_CMD --port 8100"
+    BARE_CMD=$($PY -m serve_bench.arms "$ARM_CONFIG")
+    echo "== $tag: $BARE_CMD --port 8100"
     require_free_port 8100 || exit 1
 setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/$tag-server.log" 2>&1 &
     PID=$!
@@ -168,9 +181,9 @@ setsid bash -c "exec $BARE_CMD --port 8100" > "$DIR/$tag-server.log" 2>&1 &
         "$LEAD" "$T0" && \
       arm_bench http://127.0.0.1:8100 "$tag"
   else  # stack, stack2 or stackpbp
-    echo "== $arm: serve-app run --config $DIR/$arm-config.yaml"
+    echo "== $tag: serve-app run --config $ARM_CONFIG"
     require_free_port 8000 || exit 1
-setsid $PY -m serve_app.cli run --config "$DIR/$arm-config.yaml" --port 8000 \
+setsid $PY -m serve_app.cli run --config "$ARM_CONFIG" --port 8000 \
       > "$DIR/$tag-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \
