@@ -63,6 +63,8 @@ async def _complete(client: httpx.AsyncClient, s, tenant: str, ids: list, stream
 C_LATE = 6
 
 
+@pytest.mark.long  # 30 s; make test keeps the bands' order on the vLLM engine
+# (test_fair_queue.py::test_high_priority_goes_before_every_waiting_normal_request)
 def test_high_priority_starts_before_every_waiting_normal_request(scripted):
     """team-a floods; then team-c (normal) sends six requests and team-b (high) three, in that
     order. The engine starts all of team-b's before team-c's waiting ones (team-c's first goes

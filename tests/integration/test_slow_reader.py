@@ -39,6 +39,7 @@ def _cut_streams(model: str) -> float:
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.long  # 23 s of SSE into a full socket; `make chaos` runs slow readers too
 def test_a_client_that_stops_reading_is_cut_and_frees_its_request(stack, client):
     port = router_replica_port()
     cut_before = _cut_streams(stack["model"])
