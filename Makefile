@@ -19,11 +19,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip==24.3.1
-	$(BIN)/python -m pip install -q --no-compile --no-deps -r requirements/cpu.txt
-	@# Byte-compiled on every core: pip compiles one file at a time (155 s for the whole install
-	@# against 75 + 45 s on 2 cores). A file written for a newer Python (torch's py312 tests)
-	@# fails to compile here as it does under pip, hence the ignored status.
-	-$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib
+	$(BIN)/python -m pip install -q --no-deps -r requirements/cpu.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
