@@ -26,7 +26,7 @@ from serve_app.observability.previews import (
     render_all,
 )
 
-from .prometheus import MISSING, WHY_MISSING
+from .prometheus import MISSING, WHY_MISSING, targets_health
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(MISSING, reason=WHY_MISSING)]
 
@@ -111,14 +111,12 @@ class _Traffic:
 def test_scrape_config_finds_ray_metrics_agents(prometheus):
     deadline = time.time() + 60
     while time.time() < deadline:
-        active = httpx.get(f"{prometheus}/api/v1/targets", timeout=10).json()["data"][
-            "activeTargets"]
-        if active and all(t["health"] == "up" for t in active):
+        active = targets_health(prometheus)
+        if active and all(health == "up" for _, health, _, _ in active):
             break
         time.sleep(1)
     assert active, "the committed file_sd config found no Ray metrics agent"
-    assert all(t["health"] == "up" for t in active), [
-        (t["scrapeUrl"], t["health"], t.get("lastError")) for t in active]
+    assert all(health == "up" for _, health, _, _ in active), active
 
 
 def test_every_dashboard_query_returns_data(stack, prometheus):

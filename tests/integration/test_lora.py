@@ -25,6 +25,7 @@ from serve_app.launch import wait_until_serving
 from serve_app.observability.metrics import ROUTER_METRICS
 
 from .conftest import exported, wait_until
+from .prometheus import targets_health
 
 pytestmark = pytest.mark.integration
 
@@ -218,7 +219,8 @@ def test_the_dashboards_adapter_swap_panels_draw_the_engines_swaps(lora, prometh
             wait_until(lambda: {("a-tune", "load"), ("shared", "load")} <= drawn(q.expr)
                        and any(event == "evict" for _, event in drawn(q.expr)), 60, 1)
         except AssertionError:
-            raise AssertionError(f"{q.panel}: {q.expr} drew {drawn(q.expr)}") from None
+            raise AssertionError(f"{q.panel}: {q.expr} drew {drawn(q.expr)}; targets "
+                                 f"{targets_health(prometheus)}") from None
 
 
 def test_a_broken_adapter_is_a_503_naming_it_and_others_serve_on(lora):
