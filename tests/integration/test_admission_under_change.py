@@ -182,6 +182,9 @@ def _replica_base(port: int, model: str, headers: dict) -> str:
 ROLL_APP, ROLL_PREFIX, ROLL_MODEL, ROLL_BATCH = "rollout", "/rollout", "scripted-rollout", 4
 
 
+# 34 s of make test; make test keeps replicas coming and going in the two routers' test above
+# and the router rolls of test_live_config.py.
+@pytest.mark.long
 def test_scale_down_and_rolling_update_under_a_backlog_keep_admitting(stack):
     """A backlog of streams (24 clients on 2 replicas of 4 places); the model is scaled down
     to one replica, then rolled to a new version. After each change of the live set admission
