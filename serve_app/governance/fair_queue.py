@@ -4,9 +4,9 @@ Within a band the backlogged tenant with the least *virtual service* goes first 
 al., OSDI 2024): a tenant's service is the tokens it was served, prompt + 2 x completion. The
 admission controller charges a request's expected service when it is granted and the rest (or
 the refund) when it ends (:meth:`FairQueue.charge`). Each band keeps a virtual clock: the
-service of the tenant it last served (the least among its backlogged tenants at that moment). A tenant that becomes backlogged is
-lifted to that clock, whether or not the band has other waiters right now, so idling banks no
-credit to spend later in a burst. Within one tenant requests keep their arrival order.
+service of the tenant it last served (the least among its backlogged tenants at that moment).
+A tenant that becomes backlogged is lifted to that clock, whether or not the band has other
+waiters right now, so idling banks no credit to spend later in a burst. Within one tenant requests keep their arrival order.
 
 Every admission moves the clock, not only :meth:`FairQueue.pop`: the admission controller calls
 :meth:`FairQueue.served` for requests that never waited (below capacity, a quiet tenant's first
