@@ -6,7 +6,8 @@ admission controller charges a request's expected service when it is granted and
 the refund) when it ends (:meth:`FairQueue.charge`). Each band keeps a virtual clock: the
 service of the tenant it last served (the least among its backlogged tenants at that moment).
 A tenant that becomes backlogged is lifted to that clock, whether or not the band has other
-waiters right now, so idling banks no credit to spend later in a burst. Within one tenant requests keep their arrival order.
+waiters right now, so idling banks no credit to spend later in a burst. Within one tenant
+requests keep their arrival order.
 
 Every admission moves the clock, not only :meth:`FairQueue.pop`: the admission controller calls
 :meth:`FairQueue.served` for requests that never waited (below capacity, a quiet tenant's first
