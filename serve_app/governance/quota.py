@@ -11,9 +11,11 @@
   could not be given back there), and a rate refills within the minute anyway.
 
 Buckets hold a minute's worth (a full minute's budget may be spent in a burst) and refill
-continuously. With several router replicas each holds ``1/replicas`` of every limit
-(``share``); the load balancer spreads a tenant's requests over them. The rate-limit headers
-still state the tenant's whole limits (:meth:`QuotaBook.state`).
+continuously. This book is one router replica's: with ``quota_scope: replica``, or while the
+cluster's quota actor does not answer, each of several router replicas holds ``1/replicas`` of
+every limit (``share``); otherwise the buckets live in the quota actor
+(:mod:`serve_app.governance.cluster_quota`). The rate-limit headers still state the tenant's
+whole limits (:meth:`QuotaBook.state`).
 """
 
 from __future__ import annotations
