@@ -10,7 +10,10 @@
 # every load of LOADS in turn. Results under $OUT.
 # usage: bench/gpu_flood.sh [CONFIG] [DURATION_S]     (env: PYTHON, FLOOD_C, ARMS="bare stack",
 #   LOADS="FLOOD_IN/FLOOD_OUT/QUIET_IN/QUIET_OUT ..." (default "1024/128/128/16"),
-#   FLOOD_TENANTS=N (the flood split over N tenants), FLOOD_STREAM=1 (the flood streamed),
+#   FLOOD_TENANTS=N (the flood split over N tenants), FLOOD_STREAM=1 (the flood streamed); a
+#   load's fifth field sets both for that load alone: s or u (streamed or not) and a number of
+#   tenants up to FLOOD_TENANTS, e.g. LOADS="2048/128/1024/16/s3 2048/128/1024/16/u1"
+#   (FLOOD_TENANTS=3) puts two of issue 42's flood shapes in one server start per arm,
 #   ARM_BENCH="serve-app bench arguments" to also run the same benchmark against each arm's server
 #   after its flood (the stack's with the flood tenant's key): the throughput comparison of
 #   gpu_compare.sh without a second engine start per arm,
@@ -68,8 +71,6 @@ for _ in $(seq "${FLOOD_TENANTS:-1}"); do
   FLOOD_KEYS+=("$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")")
 done
 QUIET_KEY=$($PY -c "from serve_app.governance.keys import new_key; print(new_key())")
-FLOOD_ARGS=""
-for k in "${FLOOD_KEYS[@]}"; do FLOOD_ARGS="$FLOOD_ARGS --flood-key $k"; done
 # The stack's config: the deployment plus the tenants (throwaway keys), on loopback.
 $PY - "$CONFIG" "$QUIET_KEY" "${FLOOD_KEYS[@]}" > "$DIR/stack-config.yaml" <<'PY'
 import sys
@@ -136,8 +137,14 @@ fits() {  # lead arm-start loads-run first-load-start: may the next load run wit
   echo "   budget: ${need}s of ${BUDGET_S}s with the next load (~${per}s a load)"
   [ "$need" -le "$BUDGET_S" ]
 }
+flood_keys() {  # the flood-key arguments of the first N flooding tenants
+  local k args=""
+  for k in "${FLOOD_KEYS[@]:0:$1}"; do args="$args --flood-key $k"; done
+  echo "$args"
+}
 flood() {  # url arm key-args metrics-args lead arm-start: one flood per load, labelled arm-load
-  local load fin fout qin qout label ran=0 first_load
+  # (key-args: the stack's quiet key; the flood keys follow the load's tenants)
+  local load fin fout qin qout mode stream tenants keys label ran=0 first_load
   first_load=$(date +%s)
   for load in ${RUN_LOADS:-${LOADS:-1024/128/128/16}}; do
     if ! fits "$5" "$6" "$ran" "$first_load"; then
@@ -146,14 +153,23 @@ flood() {  # url arm key-args metrics-args lead arm-start: one flood per load, l
     fi
     [ "$5" = 1 ] && RUN_LOADS="$RUN_LOADS $load"
     ran=$(( ran + 1 ))
-    IFS=/ read -r fin fout qin qout <<< "$load"
-    label="$2-$fin-$fout-$qin-$qout"
+    IFS=/ read -r fin fout qin qout mode <<< "$load"
+    stream=${FLOOD_STREAM:-}; tenants=${FLOOD_TENANTS:-1}; label="$2-$fin-$fout-$qin-$qout"
+    if [ -n "$mode" ]; then  # this load's own flood shape
+      case ${mode:0:1} in s) stream=1 ;; u) stream="" ;; *) echo "load $load: mode $mode is not s|u + N"; continue ;; esac
+      tenants=${mode:1}; tenants=${tenants:-${FLOOD_TENANTS:-1}}
+      if ! [ "$tenants" -ge 1 ] 2>/dev/null || [ "$tenants" -gt "${#FLOOD_KEYS[@]}" ]; then
+        echo "load $load: $tenants flooding tenants, FLOOD_TENANTS=${#FLOOD_KEYS[@]}"; continue
+      fi
+      label="$label-$mode"
+    fi
+    keys=""; [ -n "$3" ] && keys="$(flood_keys "$tenants") $3"
     echo "-- $label"
     $PY -m serve_app.cli flood --base-url "$1" --model "$MODEL" --flood-concurrency "$FLOOD_C" \
       --flood-in "$fin" --flood-out "$fout" --quiet-in "$qin" --quiet-out "$qout" \
       --duration-s "$DUR" --settle-s "${SETTLE_S:-10}" --token-range "${TOKEN_RANGE:-1000-20000}" \
-      ${FLOOD_STREAM:+--flood-stream} --quiet-process \
-      --label "$label" --out "$DIR/$label.json" $3 $4 2>&1 | tail -n 3 | tee "$DIR/$label.txt"
+      ${stream:+--flood-stream} --quiet-process \
+      --label "$label" --out "$DIR/$label.json" $keys $4 2>&1 | tail -n 3 | tee "$DIR/$label.txt"
   done
 }
 
@@ -187,7 +203,7 @@ setsid $PY -m serve_app.cli run --config "$ARM_CONFIG" --port 8000 \
       > "$DIR/$tag-server.log" 2>&1 &
     PID=$!
     wait_ready http://127.0.0.1:8000 $PID 420 "$QUIET_KEY" && \
-      flood http://127.0.0.1:8000 "$tag" "$FLOOD_ARGS --quiet-key $QUIET_KEY" "$(ray_metrics_urls)" \
+      flood http://127.0.0.1:8000 "$tag" "--quiet-key $QUIET_KEY" "$(ray_metrics_urls)" \
         "$LEAD" "$T0" && \
       arm_bench http://127.0.0.1:8000 "$tag" "--tenant flood:${FLOOD_KEYS[0]}:1"
   fi
