@@ -10,7 +10,7 @@ second's worth of the tenant's rate divided among the routers (at least one), an
 are then admitted from the lease locally. Unused leases go back after ``LEASE_TTL_S``, except a
 lease that is a whole ``LEASE_WINDOW_S`` of the tenant's rate (not raised to one request): that
 one stays until used, so a tenant's first request after an idle spell makes no call. Token
-usage (charged when requests end) is reported in batches every ``FLUSH_S``, and each answer
+usage (charged as tokens flow) is reported in batches every ``FLUSH_S``, and each answer
 carries the tenant's token level, which admission checks locally, less what this replica
 charged since. A replica that restarts starts with no lease: the actor's buckets are where they
 were, so a restart does not refill anyone.
