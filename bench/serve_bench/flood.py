@@ -27,6 +27,9 @@ import aiohttp
 
 from serve_app.engine.timing import PHASES, parse_server_timing
 
+# The quiet tenant's mean pause between its requests (``--quiet-think-s``).
+QUIET_THINK_S = 0.1
+
 _GAUGE = re.compile(r"^(?:ray_)?vllm[:_]num_requests_(running|waiting)(?:\{[^}]*\})? ([0-9.e+-]+)",
                     re.M)
 # The stack's router: requests it holds queued and its admission capacity (absent on bare vLLM).
@@ -99,10 +102,18 @@ async def _flood_worker(session: aiohttp.ClientSession, url: str, model: str, ke
 async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, key: str | None,
                         n_in: int, n_out: int, start_at: float, stop_at: float,
                         rng: random.Random, ttfts: list[float], errors: dict[str, int],
-                        ids: tuple[int, int], log: list[dict[str, Any]] | None = None) -> None:
+                        ids: tuple[int, int], log: list[dict[str, Any]] | None = None,
+                        think_s: float = QUIET_THINK_S) -> None:
     """One streamed request at a time until ``stop_at``; first-token times go to ``ttfts``,
     and with ``log`` each request's send time (from ``start_at``) and TTFT (None: cut at the
-    end of the run before its first token) is recorded too."""
+    end of the run before its first token) is recorded too.
+
+    Between requests the worker thinks for a time drawn from an exponential distribution of
+    mean ``think_s``, so its arrivals fall at any point of the engine's step, as independent
+    users' do. Why not a fixed pause: a request ends with an engine step, so a fixed pause
+    after it lands every next request at the same point of a later step; on the H100 that was
+    just after a step began (bench/RESULTS.md 42h), and each request waited almost a whole step
+    for the engine's intake, the worst case every time instead of its share of the time."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     while time.monotonic() < stop_at:
@@ -153,7 +164,7 @@ async def _quiet_worker(session: aiohttp.ClientSession, url: str, model: str, ke
                         "itl_p50_ms": round(statistics.median(gaps) * 1000, 1) if gaps
                         else None,
                         "server_timing_ms": phases})
-        await asyncio.sleep(0.05)  # one at a time, a short think time
+        await asyncio.sleep(rng.expovariate(1.0 / think_s) if think_s > 0 else 0.0)
 
 
 def _phase_medians(log: list[dict[str, Any]]) -> dict[str, float]:
@@ -209,7 +220,7 @@ def _quiet_process(args: argparse.Namespace, url: str, start_at: float, stop_at:
                 total=args.duration_s + 600)) as session:
             await _quiet_worker(session, url, args.model, args.quiet_key, args.quiet_in,
                                 args.quiet_out, start_at, stop_at, random.Random(seed), ttfts,
-                                errors, (lo, hi), log)
+                                errors, (lo, hi), log, args.quiet_think_s)
         return ttfts, errors, log
 
     out.put(asyncio.run(main()))
@@ -230,7 +241,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         alone_err: dict[str, int] = {}
         t0 = time.monotonic()
         await _quiet_worker(session, url, args.model, args.quiet_key, args.quiet_in,
-                            args.quiet_out, t0, t0 + args.alone_s, rng, alone, alone_err, ids)
+                            args.quiet_out, t0, t0 + args.alone_s, rng, alone, alone_err, ids,
+                            think_s=args.quiet_think_s)
         # Then the flood, with the quiet tenant beside it once the flood has built up.
         acc: dict[str, Any] = {"ok": 0, "tokens": 0, "errors": {}, "cut": 0}
         quiet: list[float] = []
@@ -258,7 +270,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             tasks.append(asyncio.ensure_future(_quiet_worker(
                 session, url, args.model, args.quiet_key, args.quiet_in, args.quiet_out,
-                start + args.settle_s, stop_at, rng, quiet, quiet_err, ids, quiet_log)))
+                start + args.settle_s, stop_at, rng, quiet, quiet_err, ids, quiet_log,
+                args.quiet_think_s)))
         if args.metrics_url:
             tasks.append(asyncio.ensure_future(_sample_engines(session, args.metrics_url,
                                                                stop_at, samples)))
@@ -324,6 +337,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flood-out", type=int, default=128)
     p.add_argument("--quiet-in", type=int, default=128)
     p.add_argument("--quiet-out", type=int, default=16)
+    p.add_argument("--quiet-think-s", type=float, default=QUIET_THINK_S,
+                   help="the quiet tenant's mean pause between requests (exponential; 0: none)")
     p.add_argument("--duration-s", type=float, default=60.0, help="length of the flood")
     p.add_argument("--settle-s", type=float, default=10.0,
                    help="flood time before the quiet tenant's measured requests start")

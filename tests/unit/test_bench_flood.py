@@ -131,3 +131,46 @@ def test_a_quiet_stream_that_fails_after_its_200_has_no_first_token():
 
     quiet = asyncio.run(scenario())["quiet_under_flood_ttft_ms"]
     assert quiet["n"] == 0 and quiet["errors"].get("stream error event", 0) > 0, quiet
+
+
+def test_the_quiet_tenant_arrives_at_any_point_of_the_step_regression_phase_locked():
+    """A fixed pause after each quiet request, whose end comes with an engine step, sent every
+    next one at the same point of a later step: on the H100 each waited almost a whole step for
+    the engine's intake (bench/RESULTS.md 42h). Against a server that answers only on its
+    40 ms step boundaries, the requests' arrival points in the step must spread over it."""
+    step_s = 0.04
+    phases: list[float] = []
+
+    async def next_step() -> None:
+        now = asyncio.get_running_loop().time()
+        await asyncio.sleep(step_s - now % step_s)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):  # the flood, here unstreamed
+            await next_step()
+            return web.json_response({"choices": [{"index": 0, "text": "x"}],
+                                      "usage": {"prompt_tokens": 4, "completion_tokens": 1}})
+        phases.append(asyncio.get_running_loop().time() % step_s / step_s)
+        await next_step()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(2):
+            await resp.write(f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n".encode())
+            await next_step()
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def scenario() -> None:
+        runner, url = await serve_completions(completions)
+        try:
+            args = _args(url, quiet_process=False)
+            args.flood_concurrency, args.duration_s, args.quiet_think_s = 1, 3.0, 0.05
+            await flood.run(args)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+    quarters = {int(p * 4) for p in phases}
+    assert len(phases) >= 20, phases
+    assert len(quarters) == 4, sorted(round(p, 2) for p in phases)
