@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one-queue scenario on one GPU, every arm in one command: a tenant (or FLOOD_TENANTS of them)
 # floods the endpoint with FLOOD_C concurrent requests (1024 in / 128 out; non-streaming unless
-# FLOOD_STREAM) while a quiet tenant sends one streamed request at a time (128 in / 16 out), from
-# a client process of its own (`serve-app flood --quiet-process`). Arms: bare `vllm serve` (same engine arguments,
+# FLOOD_STREAM) while a quiet tenant sends one streamed request at a time (128 in / 16 out, a
+# random pause between them: serve_bench/flood.py), from a client process of its own
+# (`serve-app flood --quiet-process`). Arms: bare `vllm serve` (same engine arguments,
 # FCFS order since it gets no priorities), the stack with two tenants, stack2 (the same with
 # two router replicas, HAProxy spreading the clients) and stackpbp (the stack with the model's
 # priority_before_prefill: vLLM's scheduler lets a quiet tenant's request start before the
