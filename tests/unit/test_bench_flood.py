@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 
 from aiohttp import web
 
@@ -93,6 +94,8 @@ def test_a_streamed_flood_from_several_tenants():
     result = asyncio.run(scenario())
     done = result["flood"]["completed"]
     assert done > 0 and result["flood"]["output_tok_s"] == round(3 * done / 1.5, 1)
+    # the completions after the 0.2 s settle, over the 1.3 s left
+    assert 0 < result["flood"]["steady_output_tok_s"] <= round(3 * done / 1.3, 1)
     assert {"Bearer k1", "Bearer k2", "Bearer k3"} <= KEYS
     assert "flood_key" not in result["config"]  # keys stay out of the results
 
@@ -174,3 +177,20 @@ def test_the_quiet_tenant_arrives_at_any_point_of_the_step_regression_phase_lock
     quarters = {int(p * 4) for p in phases}
     assert len(phases) >= 20, phases
     assert len(quarters) == 4, sorted(round(p, 2) for p in phases)
+
+
+def test_the_steady_rate_ignores_how_long_each_request_takes_regression_whole_run_figure():
+    """Two engines of the same throughput (10 requests a second of 128 tokens), one holding
+    each request 8 s, the other 6 s: over a 30 s run that starts them all at once the whole
+    run's figure gave the second 1.09x (it completes its first requests 2 s sooner, 42i);
+    counted once both are full (from 10 s), they are equal."""
+    def completions(latency_s: float) -> list[tuple[float, int]]:
+        return [(latency_s + k / 10, 128) for k in range(int((30 - latency_s) * 10) + 1)]
+
+    slow, fast = completions(8.0), completions(6.0)
+    whole = [sum(n for _, n in done) / 30 for done in (slow, fast)]
+    assert whole[1] / whole[0] > 1.08
+    steady = [flood.steady_output_tok_s(done, 10.0, 30.0) for done in (slow, fast)]
+    assert abs(steady[1] / steady[0] - 1) < 0.01, steady
+    assert abs(steady[0] - 1280) < 10
+    assert math.isnan(flood.steady_output_tok_s(slow, 30.0, 30.0))  # no window
