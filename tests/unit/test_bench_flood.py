@@ -69,6 +69,8 @@ def test_the_quiet_tenant_from_its_own_process_and_the_clients_share_of_its_ttft
     for result, own in ((apart, True), (together, False)):
         quiet = result["quiet_under_flood_ttft_ms"]
         assert quiet["n"] >= 3 and quiet["errors"] == {} and result["flood"]["completed"] > 0
+        ttfts = [r["ttft_ms"] for r in quiet["requests"] if r["ttft_ms"] is not None]
+        assert quiet["max"] == max(ttfts) and quiet["p50"] <= quiet["p90"] <= quiet["p99"]
         assert quiet["server_timing_p50_ms"] == {"queue": 1.5, "dispatch": 4.0}
         client = result["client"]
         assert client["quiet_process"] is own
