@@ -393,7 +393,8 @@ def main(args: argparse.Namespace) -> int:
           f"{q['no_first_token']} cut before "
           f"a first token; stream step ~{q['itl_p50_ms']} ms; stack phases "
           f"{q['server_timing_p50_ms'] or '-'}); flood {f['output_tok_s']} out "
-          f"tok/s ({f['steady_output_tok_s']} after {args.settle_s:g} s), errors {f['errors']} {q['errors']}; engines running~{e['running_median']} "
+          f"tok/s ({f['steady_output_tok_s']} after {args.settle_s:g} s), errors "
+          f"{f['errors']} {q['errors']}; engines running~{e['running_median']} "
           f"waiting~{e['waiting_median']} (max {e['waiting_max']}); client: flood loop lag "
           f"{result['client']['flood_loop_lag_ms']}, quiet outside the stack "
           f"{result['client']['quiet_outside_stack_ms']}")
