@@ -4,8 +4,8 @@ A tenant's TPM is charged as its tokens flow and reserves nothing, so tokens lef
 do not stop it from starting any number of long requests at once; a cap does. The cap counts
 *sequences*, as admission does (a request weighs its ``n``), over every model of one router
 replica. A request may start while its tenant has fewer sequences in flight than its cap,
-whatever its weight (as
-:meth:`~serve_app.admission.controller.AdmissionController.has_room`: requiring room for the
+whatever its weight (as :meth:`~serve_app.admission.controller.AdmissionController.has_room`:
+requiring room for the
 whole weight would starve a request whose ``n`` is above the cap), so the count may pass the
 cap by less than the largest ``n``. Requests beyond it wait in the tenant's queue; a tenant at
 its cap cannot hold the fair queue's head (:meth:`serve_app.governance.fair_queue.FairQueue.pop`
