@@ -69,6 +69,23 @@ def steady_output_tok_s(done: list[tuple[float, int]], since: float, until: floa
     return round(sum(n for t, n in done if since <= t <= until) / (until - since), 1)
 
 
+def steady_work_tok_s(flood_done: list[tuple[float, int]], flood_in: int, quiet_served: int,
+                      quiet_tokens: int, since: float, until: float) -> float:
+    """Prompt and output tokens a second the engine served in ``since .. until``: the flood's
+    completions there (``flood_in`` prompt tokens each, plus their output) and the quiet
+    tenant's ``quiet_served`` requests sent there (``quiet_tokens`` each, prompt + output).
+
+    Why beside the flood's own rate: bare vLLM leaves the quiet tenant waiting behind the
+    flood, so its flood has the whole engine; an arm that serves the quiet tenant gives it
+    its tokens out of the same engine, and its flood's rate drops by about the quiet tenant's
+    share (bench/RESULTS.md 42j: 3.0% of the flood on an H200 for 3.3% of the engine's work
+    to the quiet tenant). This figure says whether the arm lost engine throughput."""
+    if until <= since:
+        return float("nan")
+    flood = sum(flood_in + n for t, n in flood_done if since <= t <= until)
+    return round((flood + quiet_served * quiet_tokens) / (until - since), 1)
+
+
 async def _flood_worker(session: aiohttp.ClientSession, url: str, model: str, key: str | None,
                         n_in: int, n_out: int, stop_at: float, rng: random.Random,
                         acc: dict[str, Any], ids: tuple[int, int], stream: bool = False) -> None:
@@ -334,6 +351,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                   # from the quiet tenant's start (settle_s) to the end: the engine full
                   "steady_output_tok_s": steady_output_tok_s(
                       acc["done"], start + args.settle_s, stop_at),
+                  # the flood's and the quiet tenant's prompt + output tokens in the
+                  # same window: what the engine served, whoever it served
+                  "steady_work_tok_s": steady_work_tok_s(
+                      acc["done"], args.flood_in,
+                      sum(r["ttft_ms"] is not None for r in quiet_log),
+                      args.quiet_in + args.quiet_out, start + args.settle_s, stop_at),
                   "cut_at_end": acc["cut"], "errors": acc["errors"]},
         "engines": {"samples": len(during),
                     "running_median": _pct([s["running"] for s in during], 0.5),
@@ -393,7 +416,8 @@ def main(args: argparse.Namespace) -> int:
           f"{q['no_first_token']} cut before "
           f"a first token; stream step ~{q['itl_p50_ms']} ms; stack phases "
           f"{q['server_timing_p50_ms'] or '-'}); flood {f['output_tok_s']} out "
-          f"tok/s ({f['steady_output_tok_s']} after {args.settle_s:g} s), errors "
+          f"tok/s ({f['steady_output_tok_s']} after {args.settle_s:g} s; the engine's work with "
+          f"the quiet tenant's {f['steady_work_tok_s']} tok/s), errors "
           f"{f['errors']} {q['errors']}; engines running~{e['running_median']} "
           f"waiting~{e['waiting_median']} (max {e['waiting_max']}); client: flood loop lag "
           f"{result['client']['flood_loop_lag_ms']}, quiet outside the stack "

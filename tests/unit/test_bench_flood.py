@@ -98,6 +98,8 @@ def test_a_streamed_flood_from_several_tenants():
     assert done > 0 and result["flood"]["output_tok_s"] == round(3 * done / 1.5, 1)
     # the completions after the 0.2 s settle, over the 1.3 s left
     assert 0 < result["flood"]["steady_output_tok_s"] <= round(3 * done / 1.3, 1)
+    # the same completions with their prompts, and the quiet requests sent in the window
+    assert result["flood"]["steady_work_tok_s"] > result["flood"]["steady_output_tok_s"]
     assert {"Bearer k1", "Bearer k2", "Bearer k3"} <= KEYS
     assert "flood_key" not in result["config"]  # keys stay out of the results
 
@@ -196,3 +198,23 @@ def test_the_steady_rate_ignores_how_long_each_request_takes_regression_whole_ru
     assert abs(steady[1] / steady[0] - 1) < 0.01, steady
     assert abs(steady[0] - 1280) < 10
     assert math.isnan(flood.steady_output_tok_s(slow, 30.0, 30.0))  # no window
+
+
+def test_the_engine_work_counts_the_quiet_tenants_tokens_regression_flood_share_taken_as_loss():
+    """42j's H200 call: bare vLLM left the quiet tenant waiting and its flood had the whole
+    engine (15.96 requests a second of 2,048 + 128 tokens); the stack served the quiet tenant
+    28 requests of 1,024 + 16 tokens in the 25 s window and its flood completed 15.48 a second.
+    The flood's rate is 0.970x, the engine's work 1.003x: the flood lost the quiet tenant's
+    share, not throughput. An arm that loses throughput as well still shows it."""
+    def completions(per_s: float) -> list[tuple[float, int]]:
+        return [(15 + k / per_s, 128) for k in range(int(25 * per_s))]
+
+    bare, stack = completions(15.96), completions(15.48)
+    out = [flood.steady_output_tok_s(done, 15.0, 40.0) for done in (bare, stack)]
+    assert out[1] / out[0] < 0.975, out
+    work_bare = flood.steady_work_tok_s(bare, 2048, 0, 1040, 15.0, 40.0)
+    work_stack = flood.steady_work_tok_s(stack, 2048, 28, 1040, 15.0, 40.0)
+    assert abs(work_stack / work_bare - 1) < 0.01, (work_stack, work_bare)
+    slower = flood.steady_work_tok_s(completions(14.9), 2048, 28, 1040, 15.0, 40.0)
+    assert slower / work_bare < 0.975  # an engine that lost throughput still shows it
+    assert math.isnan(flood.steady_work_tok_s(bare, 2048, 0, 1040, 40.0, 40.0))
