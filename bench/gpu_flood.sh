@@ -8,7 +8,9 @@
 # two router replicas, HAProxy spreading the clients) and stackpbp (the stack with the model's
 # priority_before_prefill: vLLM's scheduler lets a quiet tenant's request start before the
 # flood's partial prefills, serve_app/engine/vllm_scheduler.py). Each arm's server starts once and runs
-# every load of LOADS in turn. Results under $OUT.
+# every load of LOADS in turn. Results under $OUT; summary.txt ends with each arm against the
+# bare arm on the same load (serve_bench/flood_table.py: the flood's steady output and the
+# engine's steady work, RESULTS 42j).
 # usage: bench/gpu_flood.sh [CONFIG] [DURATION_S]     (env: PYTHON, FLOOD_C, ARMS="bare stack",
 #   LOADS="FLOOD_IN/FLOOD_OUT/QUIET_IN/QUIET_OUT ..." (default "1024/128/128/16"),
 #   FLOOD_TENANTS=N (the flood split over N tenants), FLOOD_STREAM=1 (the flood streamed); a
@@ -213,5 +215,7 @@ setsid $PY -m serve_app.cli run --config "$ARM_CONFIG" --port 8000 \
   # The later arms run what the first ran (none: it failed to start, so they run every load).
   LEAD=0; [ -n "$RUN_LOADS" ] || RUN_LOADS="${LOADS:-1024/128/128/16}"
 done
-cat "$DIR"/*-*-*.txt > "$DIR/summary.txt" 2>/dev/null; cat "$DIR/summary.txt"
+cat "$DIR"/*-*-*.txt > "$DIR/summary.txt" 2>/dev/null
+# each arm against bare vLLM on the same load: the flood's steady output and the engine's work
+$PY -m serve_bench.flood_table "$DIR" >> "$DIR/summary.txt"; cat "$DIR/summary.txt"
 cp "$DIR/summary.txt" "$DIR.summary.txt" 2>/dev/null; pack_results "$DIR"
