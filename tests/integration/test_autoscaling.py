@@ -215,6 +215,7 @@ def test_flood_scales_out_to_two_replicas_and_back_without_cutting_streams(scale
     assert seen_two.is_set(), capacity
 
 
+@pytest.mark.long  # 18 s; the make-test tier keeps the model at zero before its first request
 def test_idle_model_returns_to_zero(scaled):
     t0 = time.monotonic()
     wait_until(lambda: sum(scaled["replicas"]().values()) == 0, 120, 0.5)

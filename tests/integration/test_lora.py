@@ -196,6 +196,7 @@ def test_greedy_output_equals_vllms_own_with_the_same_adapter(lora, reference):
         raise AssertionError(f"swaps exported: {swaps()}") from None
 
 
+@pytest.mark.long  # 16 s; the make-test tier keeps every other panel against Prometheus
 def test_the_dashboards_adapter_swap_panels_draw_the_engines_swaps(lora, prometheus):
     """The dashboard panels of series only a model serving adapters exports (the suite's stack
     has none: test_dashboards_prometheus.py leaves them to this app), as Grafana queries them,

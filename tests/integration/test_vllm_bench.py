@@ -10,8 +10,10 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("backend, endpoint", [("openai", "/v1/completions"),
-                                               ("openai-chat", "/v1/chat/completions")])
+@pytest.mark.parametrize("backend, endpoint", [
+    ("openai", "/v1/completions"),
+    # 13 s; the make-test tier's chat path: the openai client, parity and disconnect tests
+    pytest.param("openai-chat", "/v1/chat/completions", marks=pytest.mark.long)])
 def test_vllm_bench_serve_has_no_failures(stack, tmp_path, backend, endpoint):
     cmd = [sys.executable, "-m", "serve_app.cli", "vllm", "bench", "serve",
            "--backend", backend, "--base-url", stack["base"], "--endpoint", endpoint,
