@@ -16,10 +16,16 @@ PYTEST_ARGS ?=
 
 install: $(VENV)/.installed
 
+# Bytecode compiled on every core after pip rather than file by file inside it: 20-30 s
+# less of a fresh make test on two cores (bench/RESULTS.md, "make test's install").
+# Compiled at all because with PYTHONDONTWRITEBYTECODE set (as on CI machines) each of
+# the suite's Ray worker processes would compile whatever it imports. compileall exits 1
+# on torch's Python 3.12-only test file, which pip's own compile step skips too.
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip==24.3.1
-	$(BIN)/python -m pip install -q --no-deps -r requirements/cpu.txt
+	$(BIN)/python -m pip install -q --no-compile --no-deps -r requirements/cpu.txt
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
