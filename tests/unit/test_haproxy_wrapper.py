@@ -11,6 +11,8 @@ import pytest
 
 from serve_app.ingress import haproxy
 
+from ..integration.ports import free_ports
+
 
 def test_wrapper_runs_the_bundled_binary_without_splicing(tmp_path):
     path = haproxy.write_wrapper(tmp_path)
@@ -46,12 +48,6 @@ def test_a_wrapper_written_under_a_running_stack_runs_haproxy_regression_self_ex
 
 
 # HAProxy's stats page and Prometheus exporter: loopback unless the config opens them.
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _non_loopback_address() -> str | None:
     """An IPv4 address of this host other than loopback (None if it has none)."""
@@ -107,7 +103,7 @@ def test_stats_and_metrics_bind_loopback_unless_opened(tmp_path, monkeypatch, ad
     address = _non_loopback_address()
     if address is None:
         pytest.skip("this host has no non-loopback IPv4 address")
-    stats, metrics, http = _free_port(), _free_port(), _free_port()
+    stats, metrics, http = free_ports(3)
     config = _rays_config(tmp_path, stats, metrics, http)
     assert f"bind *:{stats}" in open(config).read()  # Ray's template: every interface
     wrapper = haproxy.write_wrapper(tmp_path / "bin")
@@ -187,7 +183,7 @@ def test_the_admin_socket_is_mode_600_in_a_folder_of_mode_700(tmp_path):
     """Ray's template makes HAProxy's admin socket (`level admin`: stop HAProxy, change its
     backends, take its listening sockets) `mode 666`; through the wrapper it is 600, and the
     config's folder 0700."""
-    config = _rays_config(tmp_path, _free_port(), _free_port(), _free_port())
+    config = _rays_config(tmp_path, *free_ports(3))
     assert " mode 666 level admin" in open(config).read()  # Ray's template
     os.chmod(tmp_path, 0o755)
     wrapper = haproxy.write_wrapper(tmp_path / "bin")

@@ -11,6 +11,8 @@ import pytest
 from serve_app.config import ConfigError, parse_config
 from serve_app.launch import PortInUseError, check_ports, stack_ports
 
+from ..integration.ports import free_ports
+
 
 def _config(**router):
     return parse_config({"models": [{"name": "m", "path": "/m"}], "router": router})
@@ -25,21 +27,18 @@ def held():
         yield s.getsockname()[1]
 
 
-def _free() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SETTINGS = ("port", "haproxy_stats_port", "haproxy_metrics_port", "fallback_proxy_port")
 
 
 def _ports(**taken) -> dict:
-    """Router settings with every port free, except ``taken`` (setting -> port)."""
-    ports = {"port": _free(), "haproxy_stats_port": _free(), "haproxy_metrics_port": _free(),
-             "fallback_proxy_port": _free()}
+    """Router settings with every port free, except ``taken`` (setting -> port). Distinct
+    ports (tests/integration/ports.py): four ``bind(0)`` ports, each released before the next
+    was drawn, once came back equal and the config refused the pair."""
+    ports = dict(zip(SETTINGS, free_ports(len(SETTINGS))))
     return {**ports, **taken}
 
 
-@pytest.mark.parametrize("setting", ["port", "haproxy_stats_port", "haproxy_metrics_port",
-                                     "fallback_proxy_port"])
+@pytest.mark.parametrize("setting", SETTINGS)
 def test_a_port_in_use_names_the_port_and_its_setting(held, setting):
     with pytest.raises(PortInUseError) as info:
         check_ports(_config(**_ports(**{setting: held})))
