@@ -16,8 +16,8 @@ PYTEST_ARGS ?=
 
 install: $(VENV)/.installed
 
-# Bytecode compiled on every core after pip rather than file by file inside it: 20-30 s
-# less of a fresh make test on two cores (bench/RESULTS.md, "make test's install").
+# Bytecode compiled on every core after pip rather than file by file inside it: ~23 s
+# less of make install on two cores, on the mean (bench/RESULTS.md, "make test's install").
 # Compiled at all because with PYTHONDONTWRITEBYTECODE set (as on CI machines) each of
 # the suite's Ray worker processes would compile whatever it imports. compileall exits 1
 # on torch's Python 3.12-only test file, which pip's own compile step skips too.
