@@ -19,7 +19,12 @@
 #   (FLOOD_TENANTS=3) puts two of issue 42's flood shapes in one server start per arm,
 #   ARM_BENCH="serve-app bench arguments" to also run the same benchmark against each arm's server
 #   after its flood (the stack's with the flood tenant's key): the throughput comparison of
-#   gpu_compare.sh without a second engine start per arm,
+#   gpu_compare.sh without a second engine start per arm; summary.txt ends with each arm's
+#   ratios to the first bare arm's (bench/compare_arms.py), and BUDGET_S keeps ARM_BENCH_S
+#   (60 s unless set) an arm for it, e.g. the overhead row at issue 42's candidate step:
+#   ARM_BENCH="--input-len 1024 --output-len 128 --num-requests 512 --concurrency 256"
+#   ARMS="bare stackpbp,max_num_batched_tokens=1536" (the stack as it would ship against bare
+#   vLLM as it ships),
 #   ENGINE="key=value ..." engine arguments set for both arms over the config's engine_kwargs,
 #   values read as YAML: e.g. ENGINE="async_scheduling=false max_num_batched_tokens=4096", the
 #   engine's levers on the quiet tenant's first token, RESULTS 42c; an ARMS entry
@@ -129,14 +134,15 @@ arm_bench() {  # url arm [tenant-args]
 RUN_LOADS=""  # the loads the first arm ran; the later arms run these (BUDGET_S)
 N_ARMS=$(wc -w <<< "${ARMS:-bare stack}")
 STOP_S=${STOP_S:-40}  # an arm's server stop (the stack's Serve shutdown takes ~30 s)
+BENCH_S=0; [ -n "${ARM_BENCH:-}" ] && BENCH_S=${ARM_BENCH_S:-60}  # each arm's ARM_BENCH after its loads
 fits() {  # lead arm-start loads-run first-load-start: may the next load run within BUDGET_S?
   [ -n "${BUDGET_S:-}" ] || return 0
   local now per need; now=$(date +%s)
   [ "$3" -gt 0 ] || return 0  # the first load always runs: nothing to judge by yet
   per=$(( (now - $4) / $3 ))  # one load's time so far
-  need=$(( now - T_CALL + per + STOP_S ))
-  # the first arm leaves each later arm its own start, as many loads and its stop
-  [ "$1" = 1 ] && need=$(( need + (N_ARMS - 1) * (now - $2 + per + STOP_S) ))
+  need=$(( now - T_CALL + per + BENCH_S + STOP_S ))
+  # the first arm leaves each later arm its own start, as many loads, its bench and its stop
+  [ "$1" = 1 ] && need=$(( need + (N_ARMS - 1) * (now - $2 + per + BENCH_S + STOP_S) ))
   echo "   budget: ${need}s of ${BUDGET_S}s with the next load (~${per}s a load)"
   [ "$need" -le "$BUDGET_S" ]
 }
@@ -217,5 +223,19 @@ setsid $PY -m serve_app.cli run --config "$ARM_CONFIG" --port 8000 \
 done
 cat "$DIR"/*-*-*.txt > "$DIR/summary.txt" 2>/dev/null
 # each arm against bare vLLM on the same load: the flood's steady output and the engine's work
-$PY -m serve_bench.flood_table "$DIR" >> "$DIR/summary.txt"; cat "$DIR/summary.txt"
+$PY -m serve_bench.flood_table "$DIR" >> "$DIR/summary.txt"
+if [ -n "${ARM_BENCH:-}" ]; then  # ARM_BENCH: each arm against the first bare arm's run
+  REF=""; declare -A SEEN  # the tags the arms' loop gave (an arm named again: -runN)
+  for entry in ${ARMS:-bare stack}; do
+    SEEN[$entry]=$(( ${SEEN[$entry]:-0} + 1 ))
+    tag=$(tr ',=' '--' <<< "$entry"); [ "${SEEN[$entry]}" -gt 1 ] && tag="$tag-run${SEEN[$entry]}"
+    [ -z "$REF" ] && [ "${entry%%,*}" = bare ] && { REF=$tag; continue; }
+    [ -n "$REF" ] && [ -f "$DIR/$REF-bench/results.json" ] && [ -f "$DIR/$tag-bench/results.json" ] \
+      && $PY "$(dirname "$0")/compare_arms.py" "$DIR/$REF-bench/results.json" \
+        "$DIR/$tag-bench/results.json" --names "$REF,$tag" --title "ARM_BENCH: $ARM_BENCH" \
+        --md "$DIR/$tag-bench-compare.md" > /dev/null \
+      && cat "$DIR/$tag-bench-compare.md" >> "$DIR/summary.txt"
+  done
+fi
+cat "$DIR/summary.txt"
 cp "$DIR/summary.txt" "$DIR.summary.txt" 2>/dev/null; pack_results "$DIR"
