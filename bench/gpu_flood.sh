@@ -184,11 +184,14 @@ flood() {  # url arm key-args metrics-args lead arm-start: one flood per load, l
 
 LEAD=1
 declare -A RUNS  # an arm named again (ARMS="stack stackpbp stackpbp stack"): its files say stack-run2
+TAGS=()  # each arm's tag (its files' prefix), in ARMS order; BARE_TAG: the first bare arm's
+BARE_TAG=""
 for entry in ${ARMS:-bare stack}; do
   T0=$(date +%s)
   arm=${entry%%,*}  # bare, stack, stack2 or stackpbp; after a comma, this arm's engine arguments
   RUNS[$entry]=$(( ${RUNS[$entry]:-0} + 1 ))
   tag=$(tr ',=' '--' <<< "$entry"); [ "${RUNS[$entry]}" -gt 1 ] && tag="$tag-run${RUNS[$entry]}"
+  TAGS+=("$tag"); [ "$arm" = bare ] && [ -z "$BARE_TAG" ] && BARE_TAG=$tag
   if [ "$arm" = bare ]; then ARM_CONFIG=$CONFIG; else ARM_CONFIG=$DIR/$arm-config.yaml; fi
   if [ "$entry" != "$arm" ]; then
     with_engine_args "$ARM_CONFIG" $(tr ',' ' ' <<< "${entry#*,}") > "$DIR/$tag-config.yaml" \
@@ -224,15 +227,11 @@ done
 cat "$DIR"/*-*-*.txt > "$DIR/summary.txt" 2>/dev/null
 # each arm against bare vLLM on the same load: the flood's steady output and the engine's work
 $PY -m serve_bench.flood_table "$DIR" >> "$DIR/summary.txt"
-if [ -n "${ARM_BENCH:-}" ]; then  # ARM_BENCH: each arm against the first bare arm's run
-  REF=""; declare -A SEEN  # the tags the arms' loop gave (an arm named again: -runN)
-  for entry in ${ARMS:-bare stack}; do
-    SEEN[$entry]=$(( ${SEEN[$entry]:-0} + 1 ))
-    tag=$(tr ',=' '--' <<< "$entry"); [ "${SEEN[$entry]}" -gt 1 ] && tag="$tag-run${SEEN[$entry]}"
-    [ -z "$REF" ] && [ "${entry%%,*}" = bare ] && { REF=$tag; continue; }
-    [ -n "$REF" ] && [ -f "$DIR/$REF-bench/results.json" ] && [ -f "$DIR/$tag-bench/results.json" ] \
-      && $PY "$(dirname "$0")/compare_arms.py" "$DIR/$REF-bench/results.json" \
-        "$DIR/$tag-bench/results.json" --names "$REF,$tag" --title "ARM_BENCH: $ARM_BENCH" \
+if [ -n "${ARM_BENCH:-}" ] && [ -f "$DIR/$BARE_TAG-bench/results.json" ]; then
+  for tag in "${TAGS[@]}"; do  # ARM_BENCH: each other arm against the first bare arm's run
+    [ "$tag" != "$BARE_TAG" ] && [ -f "$DIR/$tag-bench/results.json" ] \
+      && $PY "$(dirname "$0")/compare_arms.py" "$DIR/$BARE_TAG-bench/results.json" \
+        "$DIR/$tag-bench/results.json" --names "$BARE_TAG,$tag" --title "ARM_BENCH: $ARM_BENCH" \
         --md "$DIR/$tag-bench-compare.md" > /dev/null \
       && cat "$DIR/$tag-bench-compare.md" >> "$DIR/summary.txt"
   done
